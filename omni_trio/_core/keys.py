@@ -1,0 +1,45 @@
+"""Compatibility keys: which requests may share a wave (request mode) or a batch (step mode).
+
+Two requests may run in one fused forward only if their keys are equal.  The seed is never
+part of a key: every request gets its own generator.  Step mode leaves the step count out, so
+requests at different steps, with different step counts, can share a denoising batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from .request import DiffusionRequest
+
+__all__ = ["request_batch_key", "step_batch_key"]
+
+
+def _shape_and_guidance(request: DiffusionRequest) -> tuple[Hashable, ...]:
+    sp = request.sampling
+    return (
+        sp.height,
+        sp.width,
+        float(sp.guidance_scale),
+        sp.negative_prompt is not None,
+        sp.num_outputs_per_prompt,
+        sp.output_type,
+        request.condition_key,
+    )
+
+
+def request_batch_key(request: DiffusionRequest) -> tuple[Hashable, ...]:
+    """Request mode: shape, guidance, negative-prompt presence, output type and count, the
+    model condition key, and the whole schedule (steps, timesteps, sigmas)."""
+    sp = request.sampling
+    return (
+        "request",
+        *_shape_and_guidance(request),
+        sp.num_inference_steps,
+        sp.timesteps,
+        sp.sigmas,
+    )
+
+
+def step_batch_key(request: DiffusionRequest) -> tuple[Hashable, ...]:
+    """Step mode: as request mode but without the step count or schedule."""
+    return ("step", *_shape_and_guidance(request))

@@ -1,0 +1,87 @@
+"""Request lifecycle: the states, the one transition function, and the scheduler-owned state.
+
+::
+
+    WAITING --schedule--> RUNNING --output--> FINISHED_COMPLETED
+       |                    |  '--error/missing output--> FINISHED_ERROR
+       |                    |--worker crash, retries left--> PREEMPTED --> (front of WAITING)
+       '--abort--> FINISHED_ABORTED <--abort--'
+
+Terminal states are ordered after live ones, so ``status.finished`` is a comparison.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..errors import InvalidTransition
+from .request import DiffusionRequest
+
+__all__ = ["HISTORY_LIMIT", "RequestState", "RequestStatus", "transition"]
+
+HISTORY_LIMIT = 16
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_COMPLETED = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_COMPLETED
+
+
+_S = RequestStatus
+_TERMINAL = frozenset({_S.FINISHED_COMPLETED, _S.FINISHED_ABORTED, _S.FINISHED_ERROR})
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    _S.RUNNING: frozenset({_S.PREEMPTED} | _TERMINAL),
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    _S.FINISHED_COMPLETED: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+    _S.FINISHED_ERROR: frozenset(),
+}
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """Everything the scheduler knows about one admitted request.
+
+    Invariant: ``status`` only changes through :func:`transition`; ``history`` holds the
+    last :data:`HISTORY_LIMIT` states (oldest first, current last).
+    """
+
+    request: DiffusionRequest
+    queued_at: float
+    status: RequestStatus = RequestStatus.WAITING
+    history: list[RequestStatus] = field(default_factory=lambda: [RequestStatus.WAITING])
+    # Set on the first WAITING -> RUNNING move (scheduler time, seconds).
+    first_scheduled_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    error_type: str | None = None
+    # Step mode: denoising progress.  Preemption keeps it unless reset.
+    total_steps: int = 0
+    num_computed_steps: int = 0
+    num_preemptions: int = 0
+    # Step mode: True once the worker holds state for it (new payload already sent).
+    sent_to_worker: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def transition(state: RequestState, to: RequestStatus) -> None:
+    """Move ``state`` to ``to`` or raise :class:`InvalidTransition` naming both and the history."""
+    if to not in _ALLOWED[state.status]:
+        raise InvalidTransition(state.request_id, state.status, to, state.history)
+    state.status = to
+    state.history.append(to)
+    if len(state.history) > HISTORY_LIMIT:
+        del state.history[0]

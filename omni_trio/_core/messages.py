@@ -1,0 +1,177 @@
+"""Messages between the engine, the scheduler, executors and workers (frozen data).
+
+Every message that concerns a request carries its ``request_id``; batch positions are never
+identity.  Results are mapped back by id, whatever order they complete in (INV-5).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .lifecycle import RequestStatus
+from .request import DiffusionRequest
+
+__all__ = [
+    "AsyncOutput",
+    "AsyncOutputKind",
+    "BatchRunnerOutput",
+    "DiffusionOutput",
+    "NewRequestData",
+    "RequestMetrics",
+    "RunnerOutput",
+    "SchedulerOutput",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request sent to the workers for the first time (its whole payload)."""
+
+    request_id: str
+    request: DiffusionRequest
+
+    def __post_init__(self) -> None:
+        if self.request.request_id != self.request_id:
+            raise ValueError(
+                f"envelope id {self.request_id!r} != request id {self.request.request_id!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One scheduling decision.
+
+    ``scheduled_new_reqs`` carry payloads; ``scheduled_cached_reqs`` are ids the workers
+    already hold state for (step mode).  ``finished_req_ids`` are requests that reached a
+    terminal state since the previous output: each id is reported exactly once, so workers
+    can free what they hold for it.
+    """
+
+    step_id: int
+    scheduled_new_reqs: tuple[NewRequestData, ...] = ()
+    scheduled_cached_reqs: tuple[str, ...] = ()
+    finished_req_ids: frozenset[str] = frozenset()
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+
+    @property
+    def scheduled_request_ids(self) -> tuple[str, ...]:
+        """New ids first, then cached ids (the order of batch rows)."""
+        return tuple(r.request_id for r in self.scheduled_new_reqs) + self.scheduled_cached_reqs
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_new_reqs and not self.scheduled_cached_reqs
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What a worker produced for one request in one execute call.
+
+    Exactly one of: ``images`` (a result), ``error`` (this request failed), ``aborted`` (it
+    stopped at a step boundary because it was aborted) or ``async_output_id`` (the payload
+    follows as an ``OUTPUT_READY``).  Step mode sets ``step_index`` (steps done so far) and
+    ``finished`` only when the request's denoising is complete; a non-terminal chunk may
+    carry preview ``images``.
+    """
+
+    request_id: str
+    images: tuple[Any, ...] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    aborted: bool = False
+    finished: bool = True
+    step_index: int | None = None
+    async_output_id: str | None = None
+    # Worker-side timings in ms, e.g. {"forward_ms": ..., "postprocess_ms": ...}.
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_exception(cls, request_id: str, exc: BaseException, **kw: Any) -> RunnerOutput:
+        return cls(request_id, error=str(exc) or repr(exc), error_type=type(exc).__name__, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRunnerOutput:
+    """Runner outputs of one execute call, keyed by request id (never by position)."""
+
+    outputs: Mapping[str, RunnerOutput] = field(default_factory=dict)
+
+    @classmethod
+    def from_list(cls, outputs: Sequence[RunnerOutput]) -> BatchRunnerOutput:
+        mapping: dict[str, RunnerOutput] = {}
+        for out in outputs:
+            if out.request_id in mapping:
+                raise ValueError(f"two runner outputs for request {out.request_id!r}")
+            mapping[out.request_id] = out
+        return cls(mapping)
+
+    def get(self, request_id: str) -> RunnerOutput | None:
+        return self.outputs.get(request_id)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __iter__(self) -> Iterator[RunnerOutput]:
+        return iter(self.outputs.values())
+
+
+class AsyncOutputKind(enum.Enum):
+    RPC_RESULT = "rpc_result"
+    COMPUTE_DONE = "compute_done"
+    OUTPUT_READY = "output_ready"
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncOutput:
+    """A worker reply.  COMPUTE_DONE and OUTPUT_READY are correlated by ``async_output_id``
+    and may arrive in either order; RPC_RESULT answers ``rpc_id``."""
+
+    kind: AsyncOutputKind
+    rpc_id: str | None = None
+    async_output_id: str | None = None
+    result: Any = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Per-request timings in milliseconds."""
+
+    queue_wait_ms: float = 0.0
+    execution_ms: float = 0.0
+    postprocess_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DiffusionOutput:
+    """The one result/chunk type on every request stream.
+
+    A stream yields zero or more chunks with ``finished=False`` (step-mode previews) and ends
+    with exactly one terminal output (``finished=True``) whose ``status`` is terminal.
+    ``images`` holds PIL images, numpy arrays or tensors according to ``output_type``.
+    """
+
+    request_id: str
+    status: RequestStatus
+    finished: bool = True
+    images: tuple[Any, ...] = ()
+    error: str | None = None
+    error_type: str | None = None
+    seed: int | None = None
+    chunk_index: int = 0
+    total_chunks: int = 1
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RequestStatus.FINISHED_COMPLETED

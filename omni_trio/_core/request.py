@@ -1,0 +1,178 @@
+"""Requests and their sampling parameters (pure data, no I/O).
+
+A :class:`DiffusionRequest` is immutable once admitted.  The engine fills in what admission
+decides (a random seed when none was given) with :func:`dataclasses.replace`, so every
+component that sees a request sees the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from ..errors import InvalidRequestError
+
+__all__ = [
+    "MAX_REQUEST_ID_LENGTH",
+    "OUTPUT_TYPES",
+    "DiffusionRequest",
+    "OutputType",
+    "RequestLimits",
+    "SamplingParams",
+    "validate_request",
+]
+
+OutputType = Literal["pil", "np", "pt", "latent"]
+OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
+MAX_REQUEST_ID_LENGTH = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request.
+
+    ``height``/``width`` of ``None`` mean the model's default size.  ``seed`` of ``None`` means
+    a random seed chosen at admission and reported on the output.  ``timesteps``/``sigmas``,
+    when given, fix the schedule (and the step count, in that order of precedence).
+    ``extra_args`` is model-specific and passed through untouched.
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 20
+    guidance_scale: float = 7.5
+    negative_prompt: str | None = None
+    seed: int | None = None
+    num_outputs_per_prompt: int = 1
+    output_type: OutputType = "pil"
+    timesteps: tuple[float, ...] | None = None
+    sigmas: tuple[float, ...] | None = None
+    extra_args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_steps(self) -> int:
+        """Denoising steps this request runs: timesteps > sigmas > num_inference_steps."""
+        if self.timesteps is not None:
+            return len(self.timesteps)
+        if self.sigmas is not None:
+            return len(self.sigmas)
+        return self.num_inference_steps
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class DiffusionRequest:
+    """One prompt to render.  Every message about it carries ``request_id``.
+
+    ``condition_key`` is set by model preprocessing when a model needs extra conditions to match
+    before two requests may share a batch; it is part of the compatibility key.
+    """
+
+    prompt: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    condition_key: Hashable | None = None
+
+    def replace(self, **changes: Any) -> DiffusionRequest:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Hard limits applied by :func:`validate_request` (from ``EngineConfig``)."""
+
+    max_pixels: int = 4096 * 4096
+    max_prompt_chars: int = 10_000
+    max_steps: int = 1000
+    max_outputs: int = 16
+
+
+def _fail(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+def validate_request(request: DiffusionRequest, limits: RequestLimits | None = None) -> None:
+    """Raise :class:`InvalidRequestError` (naming the field) if ``request`` must not be admitted.
+
+    Pure and synchronous; nothing is admitted when it raises.
+    """
+    limits = limits or RequestLimits()
+    rid = request.request_id
+    if not isinstance(rid, str) or not rid:
+        raise _fail("request_id must be a non-empty string", "request_id")
+    if len(rid) > MAX_REQUEST_ID_LENGTH:
+        raise _fail(
+            f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_LENGTH} allowed",
+            "request_id",
+        )
+    if not rid.isprintable():
+        raise _fail("request_id must contain printable characters only", "request_id")
+    if not isinstance(request.prompt, str):
+        raise _fail(f"prompt must be a string, not {type(request.prompt).__name__}", "prompt")
+    if len(request.prompt) > limits.max_prompt_chars:
+        raise _fail(
+            f"prompt is {len(request.prompt)} characters; at most {limits.max_prompt_chars}",
+            "prompt",
+        )
+    sp = request.sampling
+    if not isinstance(sp, SamplingParams):
+        raise _fail(f"sampling must be SamplingParams, not {type(sp).__name__}", "sampling")
+    for name in ("height", "width"):
+        value = getattr(sp, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise _fail(f"{name} must be a positive integer, got {value!r}", name)
+        if value % 8:
+            raise _fail(f"{name} must be a multiple of 8, got {value}", name)
+    if sp.height is not None and sp.width is not None and sp.height * sp.width > limits.max_pixels:
+        raise _fail(
+            f"{sp.width}x{sp.height} is {sp.height * sp.width} pixels; "
+            f"at most {limits.max_pixels} allowed",
+            "size",
+        )
+    steps = sp.num_inference_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= limits.max_steps:
+        raise _fail(
+            f"num_inference_steps must be an integer in 1..{limits.max_steps}, got {steps!r}",
+            "num_inference_steps",
+        )
+    for name in ("timesteps", "sigmas"):
+        seq = getattr(sp, name)
+        if seq is not None and not 1 <= len(seq) <= limits.max_steps:
+            raise _fail(f"{name} must hold 1..{limits.max_steps} values", name)
+    gs = sp.guidance_scale
+    if (
+        isinstance(gs, bool)
+        or not isinstance(gs, int | float)
+        or not math.isfinite(gs)
+        or gs < 0
+    ):
+        raise _fail(
+            f"guidance_scale must be a finite number >= 0, got {gs!r}", "guidance_scale"
+        )
+    if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, str):
+        raise _fail("negative_prompt must be a string or None", "negative_prompt")
+    n = sp.num_outputs_per_prompt
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_outputs:
+        raise _fail(
+            f"num_outputs_per_prompt must be an integer in 1..{limits.max_outputs}, got {n!r}",
+            "num_outputs_per_prompt",
+        )
+    if sp.output_type not in OUTPUT_TYPES:
+        raise _fail(
+            f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {sp.output_type!r}",
+            "output_type",
+        )
+    if sp.seed is not None and (
+        isinstance(sp.seed, bool) or not isinstance(sp.seed, int) or not 0 <= sp.seed <= MAX_SEED
+    ):
+        raise _fail(f"seed must be an integer in 0..2**63-1, got {sp.seed!r}", "seed")
+    if not isinstance(sp.extra_args, Mapping):
+        raise _fail("extra_args must be a mapping", "extra_args")

@@ -1,0 +1,403 @@
+"""The schedulers: pure, synchronous state machines (no trio, no I/O, ``now`` passed in).
+
+The scheduler is the single source of truth for each admitted request's lifecycle (INV-1).
+Its owner (the engine loop) feeds it events and carries out its decisions::
+
+    add_request(request, now)            -> WAITING
+    schedule(now)                        -> SchedulerOutput (admits a wave / batch)
+    update_from_output(out, results, now)-> ids that reached a terminal state
+    finish_requests(ids, status, ...)    -> ids that reached a terminal state (abort, errors)
+    preempt_request(id)                  -> RUNNING back to the front of the queue
+    pop_request_state(id)                -> the terminal state, removed for good
+
+Admission is strict FIFO with head-of-line blocking: an incompatible head stops admission and
+later compatible requests are not moved ahead of it.  Every operation costs O(wave size), not
+O(queue length): aborted waiting requests are dropped lazily when they reach the head.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
+from typing import ClassVar
+
+from ..errors import DuplicateRequestError
+from .keys import request_batch_key, step_batch_key
+from .lifecycle import RequestState, RequestStatus, transition
+from .messages import BatchRunnerOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from .request import DiffusionRequest
+
+__all__ = [
+    "MISSING_OUTPUT_ERROR",
+    "MISSING_STEP_INDEX_ERROR",
+    "NO_RESULT_ERROR",
+    "RequestScheduler",
+    "Scheduler",
+    "StepScheduler",
+]
+
+MISSING_OUTPUT_ERROR = "Diffusion execution finished without an output for this request"
+NO_RESULT_ERROR = "Diffusion execution returned no result for this request"
+MISSING_STEP_INDEX_ERROR = "Missing step_index in step-mode runner output"
+
+_S = RequestStatus
+
+
+class Scheduler:
+    """Shared base of the request and step schedulers."""
+
+    mode: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        max_num_seqs: int = 1,
+        key_fn: Callable[[DiffusionRequest], Hashable] = request_batch_key,
+    ) -> None:
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.capacity = max_num_seqs
+        self._key_fn = key_fn
+        # Every admitted request until pop_request_state (terminal ones included).
+        self._states: dict[str, RequestState] = {}
+        # FIFO of WAITING/PREEMPTED states; an entry is live iff its state is still in
+        # ``_queued`` (identity), so aborted entries are skipped when they reach the head.
+        self._waiting: deque[RequestState] = deque()
+        self._queued: set[int] = set()
+        # Running requests in admission order (batch row order).
+        self._running: dict[str, RequestState] = {}
+        self._wave_key: Hashable | None = None
+        # Terminal since the last schedule(); reported once in its finished_req_ids.
+        self._finished_pending: set[str] = set()
+        self._step_id = 0
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def step_id(self) -> int:
+        return self._step_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._queued) or bool(self._running)
+
+    def get_request_state(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def running_request_ids(self) -> tuple[str, ...]:
+        return tuple(self._running)
+
+    def live_request_ids(self) -> list[str]:
+        """Ids of every admitted request that is not terminal (running first, then queue order)."""
+        ids = list(self._running)
+        ids.extend(s.request_id for s in self._waiting if id(s) in self._queued)
+        return ids
+
+    def pending_finished_request_ids(self) -> list[str]:
+        """Terminal requests whose state has not been popped yet."""
+        return [rid for rid, s in self._states.items() if s.status.finished]
+
+    # -- events --------------------------------------------------------------------------
+
+    def add_request(self, request: DiffusionRequest, now: float) -> RequestState:
+        """Admit ``request`` as WAITING at the back of the queue.
+
+        Raises :class:`DuplicateRequestError` while a request with the same id has state here
+        (terminal-but-not-popped included).
+        """
+        rid = request.request_id
+        if rid in self._states:
+            raise DuplicateRequestError(rid)
+        state = RequestState(request=request, queued_at=now)
+        self._init_state(state)
+        self._states[rid] = state
+        self._enqueue(state, front=False)
+        return state
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Admit compatible requests from the head while capacity allows."""
+        self._step_id += 1
+        new, cached = self._admit(now)
+        finished = frozenset(self._finished_pending)
+        self._finished_pending.clear()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=tuple(new),
+            scheduled_cached_reqs=tuple(cached),
+            finished_req_ids=finished,
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=self.num_waiting,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: BatchRunnerOutput, now: float
+    ) -> list[str]:
+        """Apply one execute result; return the ids that reached a terminal state.
+
+        Results for requests that finished meanwhile (aborted while running) are ignored:
+        a late result is never delivered.
+        """
+        finished: list[str] = []
+        for rid in scheduler_output.scheduled_request_ids:
+            state = self._states.get(rid)
+            if state is None or state.status.finished or rid not in self._running:
+                continue
+            status, error, error_type = self._judge(state, runner_output.get(rid))
+            if status is None:
+                continue
+            self._finish(state, status, now, error, error_type)
+            finished.append(rid)
+        return finished
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        now: float,
+        *,
+        error: str | None = None,
+        error_type: str | None = None,
+    ) -> list[str]:
+        """Move live requests to the terminal ``status``; unknown or finished ids are ignored.
+
+        Returns the ids that reached a terminal state now.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a terminal status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done: list[str] = []
+        for rid in dict.fromkeys(request_ids):
+            state = self._states.get(rid)
+            if state is None or state.status.finished:
+                continue
+            self._finish(state, status, now, error, error_type)
+            done.append(rid)
+        return done
+
+    def preempt_request(self, request_id: str, *, reset_progress: bool = False) -> bool:
+        """Move a RUNNING request to the front of the queue as PREEMPTED.
+
+        Returns False (and changes nothing) if it is not running.  Step progress is kept
+        unless ``reset_progress`` (the workers lost the request's state, e.g. after a crash).
+        """
+        state = self._running.pop(request_id, None)
+        if state is None:
+            return False
+        transition(state, _S.PREEMPTED)
+        state.num_preemptions += 1
+        if reset_progress:
+            state.num_computed_steps = 0
+            state.sent_to_worker = False
+        if not self._running:
+            self._wave_key = None
+        self._enqueue(state, front=True)
+        return True
+
+    def pop_request_state(self, request_id: str) -> RequestState | None:
+        """Remove and return a terminal request's state (None if unknown).
+
+        Raises ValueError if the request is still live: live state is never dropped.
+        """
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        if not state.status.finished:
+            raise ValueError(f"request {request_id!r} is still {state.status.name}")
+        del self._states[request_id]
+        return state
+
+    def admission_wait(self, now: float) -> float | None:
+        """When to schedule: None means now, a time means re-check then (or when the queue grows)."""
+        return None
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _init_state(self, state: RequestState) -> None:
+        """Hook for subclasses to set per-mode fields on a new state."""
+
+    def _enqueue(self, state: RequestState, *, front: bool) -> None:
+        self._queued.add(id(state))
+        if front:
+            self._waiting.appendleft(state)
+        else:
+            self._waiting.append(state)
+
+    def _peek_head(self) -> RequestState | None:
+        waiting = self._waiting
+        while waiting:
+            head = waiting[0]
+            if id(head) in self._queued:
+                return head
+            waiting.popleft()  # aborted while waiting: drop lazily
+        return None
+
+    def _admit(self, now: float) -> tuple[list[NewRequestData], list[str]]:
+        new: list[NewRequestData] = []
+        cached: list[str] = []
+        while len(self._running) < self.capacity:
+            head = self._peek_head()
+            if head is None:
+                break
+            key = self._key_fn(head.request)
+            if self._running and key != self._wave_key:
+                break  # head-of-line blocking
+            if not self._running:
+                self._wave_key = key
+            self._waiting.popleft()
+            self._queued.discard(id(head))
+            transition(head, _S.RUNNING)
+            if head.first_scheduled_at is None:
+                head.first_scheduled_at = now
+            self._running[head.request_id] = head
+            if self._sends_payload(head):
+                new.append(NewRequestData(head.request_id, head.request))
+                head.sent_to_worker = True
+            else:
+                cached.append(head.request_id)
+        return new, cached
+
+    def _sends_payload(self, state: RequestState) -> bool:
+        return True
+
+    def _judge(
+        self, state: RequestState, output: RunnerOutput | None
+    ) -> tuple[RequestStatus | None, str | None, str | None]:
+        raise NotImplementedError
+
+    def _finish(
+        self,
+        state: RequestState,
+        status: RequestStatus,
+        now: float,
+        error: str | None,
+        error_type: str | None,
+    ) -> None:
+        rid = state.request_id
+        if self._running.pop(rid, None) is not None and not self._running:
+            self._wave_key = None
+        self._queued.discard(id(state))
+        transition(state, status)
+        state.finished_at = now
+        if status is _S.FINISHED_ERROR:
+            state.error = error or "request failed"
+            state.error_type = error_type or "RequestFailedError"
+        elif status is _S.FINISHED_ABORTED:
+            state.error = error or f"Request {rid} aborted."
+            state.error_type = error_type or "RequestAbortedError"
+        self._finished_pending.add(rid)
+
+
+class RequestScheduler(Scheduler):
+    """Request mode: a wave of compatible whole requests per execute call.
+
+    A new wave is admitted only when the previous one has been resolved by
+    :meth:`update_from_output`.  With ``request_batch_max_wait_ms > 0`` and capacity > 1,
+    admission into an idle system may wait to coalesce a fuller wave: it ends on a full wave,
+    after a quiet window of ``min(50 ms, wait / 5)`` since the queue last grew, or at the
+    deadline ``wait`` after the wait began.
+    """
+
+    mode = "request"
+
+    def __init__(self, max_num_seqs: int = 1, request_batch_max_wait_ms: float = 0.0) -> None:
+        super().__init__(max_num_seqs, request_batch_key)
+        if not request_batch_max_wait_ms >= 0 or request_batch_max_wait_ms == float("inf"):
+            raise ValueError(
+                "request_batch_max_wait_ms must be a finite number >= 0, "
+                f"got {request_batch_max_wait_ms!r}"
+            )
+        self.max_wait_s = request_batch_max_wait_ms / 1000.0
+        self.stable_window_s = min(0.05, self.max_wait_s / 5)
+        self._wait_deadline: float | None = None
+        self._last_growth_at = 0.0
+
+    def add_request(self, request: DiffusionRequest, now: float) -> RequestState:
+        state = super().add_request(request, now)
+        self._last_growth_at = now
+        return state
+
+    def admission_wait(self, now: float) -> float | None:
+        if self.max_wait_s <= 0 or self.capacity <= 1 or self._running or not self._queued:
+            self._wait_deadline = None
+            return None
+        if self.num_waiting >= self.capacity:
+            self._wait_deadline = None
+            return None
+        if self._wait_deadline is None:
+            self._wait_deadline = now + self.max_wait_s
+        quiet_until = self._last_growth_at + self.stable_window_s
+        if now >= quiet_until or now >= self._wait_deadline:
+            self._wait_deadline = None
+            return None
+        return min(quiet_until, self._wait_deadline)
+
+    def _admit(self, now: float) -> tuple[list[NewRequestData], list[str]]:
+        if self._running:
+            return [], []  # a wave is in flight; the next one waits for its update
+        self._wait_deadline = None
+        return super()._admit(now)
+
+    def _judge(
+        self, state: RequestState, output: RunnerOutput | None
+    ) -> tuple[RequestStatus | None, str | None, str | None]:
+        if output is None:
+            return _S.FINISHED_ERROR, MISSING_OUTPUT_ERROR, "MissingOutputError"
+        if output.aborted:
+            return _S.FINISHED_ABORTED, None, None
+        if output.error is not None:
+            return _S.FINISHED_ERROR, output.error, output.error_type
+        if output.images is None and output.async_output_id is None:
+            return _S.FINISHED_ERROR, NO_RESULT_ERROR, "MissingOutputError"
+        return _S.FINISHED_COMPLETED, None, None
+
+
+class StepScheduler(Scheduler):
+    """Step mode: requests join and leave a running batch at step boundaries.
+
+    The scheduler tracks progress only (``num_computed_steps`` of ``total_steps``; total from
+    timesteps > sigmas > num_inference_steps); the workers hold the tensors.  Running requests
+    are re-listed as cached ids every tick; a preempted request keeps its progress and comes
+    back as a cached id unless its progress was reset.
+    """
+
+    mode = "step"
+
+    def __init__(self, max_num_seqs: int = 1) -> None:
+        super().__init__(max_num_seqs, step_batch_key)
+
+    def _init_state(self, state: RequestState) -> None:
+        total = state.request.sampling.total_steps
+        if total <= 0:
+            raise ValueError(f"request {state.request_id!r} has no denoising steps")
+        state.total_steps = total
+
+    def _admit(self, now: float) -> tuple[list[NewRequestData], list[str]]:
+        already = list(self._running)
+        new, cached = super()._admit(now)
+        return new, already + cached
+
+    def _sends_payload(self, state: RequestState) -> bool:
+        return not state.sent_to_worker
+
+    def _judge(
+        self, state: RequestState, output: RunnerOutput | None
+    ) -> tuple[RequestStatus | None, str | None, str | None]:
+        if output is None:
+            return _S.FINISHED_ERROR, MISSING_OUTPUT_ERROR, "MissingOutputError"
+        if output.aborted:
+            return _S.FINISHED_ABORTED, None, None
+        if output.error is not None:
+            return _S.FINISHED_ERROR, output.error, output.error_type
+        if output.step_index is None:
+            return _S.FINISHED_ERROR, MISSING_STEP_INDEX_ERROR, "MissingOutputError"
+        state.num_computed_steps = output.step_index
+        if output.finished:
+            return _S.FINISHED_COMPLETED, None, None
+        return None, None, None

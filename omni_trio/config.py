@@ -1,0 +1,166 @@
+"""``EngineConfig``: every engine knob, validated at construction (the bad field is named)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._core.request import RequestLimits
+from .errors import InvalidConfigError
+
+__all__ = ["BACKENDS", "EngineConfig", "default_cache_dir", "default_torch_threads"]
+
+BACKENDS = ("inproc", "tractor", "ray")
+
+
+def default_cache_dir() -> Path:
+    """Where built-in models are materialised: ``$OMNI_TRIO_CACHE`` or ``~/.cache/omni_trio``."""
+    env = os.environ.get("OMNI_TRIO_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "omni_trio"
+
+
+def default_torch_threads(num_workers: int) -> int:
+    """Cores divided among worker processes, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_workers))
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+
+
+def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise InvalidConfigError(
+            f"{name} must be a finite number >= 0, got {value!r}", field=name
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Configuration of one engine.
+
+    ``model`` is a local diffusers directory or a built-in name (``builtin:tiny-sd``,
+    ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to the model loader
+    (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``, ``"tractor"``,
+    ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``.
+    """
+
+    model: str = "builtin:echo"
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    backend: Any = "inproc"
+    num_workers: int = 1
+    device: str | None = None
+    dtype: str = "auto"
+    torch_threads: int | None = None
+    cache_dir: str | None = None
+
+    max_num_seqs: int = 1
+    request_batch_max_wait_ms: float = 0.0
+    step_execution: bool = False
+    streaming_output: bool = False
+    preview_interval: int = 1
+
+    warmup: bool = True
+    # Limits applied to every request before admission.
+    max_pixels: int = 1024 * 1024
+    max_prompt_chars: int = 10_000
+    max_steps: int = 1000
+    max_outputs_per_prompt: int = 16
+    # Bounded waits (INV-6); None means no deadline for that phase.
+    rpc_timeout_s: float | None = None
+    close_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidConfigError("model must be a non-empty string", field="model")
+        if not isinstance(self.model_options, Mapping):
+            raise InvalidConfigError("model_options must be a mapping", field="model_options")
+        backend = self.backend
+        if isinstance(backend, str):
+            if backend not in BACKENDS and ":" not in backend:
+                raise InvalidConfigError(
+                    f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}, "
+                    "an Executor subclass or an import path 'pkg.module:Class'",
+                    field="backend",
+                )
+        elif not isinstance(backend, type):
+            raise InvalidConfigError(
+                f"backend must be a name, an Executor subclass or an import path, got {backend!r}",
+                field="backend",
+            )
+        _positive_int("num_workers", self.num_workers)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("preview_interval", self.preview_interval)
+        _positive_int("max_pixels", self.max_pixels)
+        _positive_int("max_prompt_chars", self.max_prompt_chars)
+        _positive_int("max_steps", self.max_steps)
+        _positive_int("max_outputs_per_prompt", self.max_outputs_per_prompt)
+        if self.torch_threads is not None:
+            _positive_int("torch_threads", self.torch_threads)
+        _nonneg_float("request_batch_max_wait_ms", self.request_batch_max_wait_ms)
+        _nonneg_float("rpc_timeout_s", self.rpc_timeout_s, allow_none=True)
+        _nonneg_float("close_timeout_s", self.close_timeout_s)
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise InvalidConfigError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+                field="dtype",
+            )
+        for name in ("step_execution", "streaming_output", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be a bool", field=name)
+        if self.streaming_output and not self.step_execution:
+            # Streaming previews need step execution; turning it on is what users mean.
+            object.__setattr__(self, "step_execution", True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build from a mapping; unknown keys raise :class:`InvalidConfigError` naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidConfigError(
+                f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]
+            )
+        return cls(**dict(data))
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InvalidConfigError(
+                f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]
+            )
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_pixels=self.max_pixels,
+            max_prompt_chars=self.max_prompt_chars,
+            max_steps=self.max_steps,
+            max_outputs=self.max_outputs_per_prompt,
+        )
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+    @property
+    def resolved_torch_threads(self) -> int:
+        return self.torch_threads or default_torch_threads(self.num_workers)

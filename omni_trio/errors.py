@@ -1,0 +1,133 @@
+"""The omni_trio error tree.
+
+Every error the runtime raises on purpose is one of these::
+
+    OmniTrioError
+    ├── InvalidRequestError (ValueError)     bad input, rejected before admission
+    │   └── DuplicateRequestError            request id already active
+    ├── InvalidConfigError (ValueError)      bad EngineConfig field or model/config mismatch
+    ├── RequestAbortedError                  the request was aborted (API, consumer drop, close)
+    ├── RequestFailedError                   the request ran and failed; carries the error text/type
+    ├── EngineClosedError                    you closed the engine ("closed")
+    ├── EngineDeadError                      something outside failed; the engine is dead ("broken")
+    ├── InvalidTransition                    an illegal lifecycle move (a bug, never user input)
+    ├── WorkerError                          a worker failed; boxed type name, worker id, traceback
+    └── StallError                           a bounded wait ran out; names the phase that stalled
+
+Keep *closed* ("you closed it") apart from *dead* ("something outside broke"), as trio keeps
+``ClosedResourceError`` apart from ``BrokenResourceError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "DuplicateRequestError",
+    "EngineClosedError",
+    "EngineDeadError",
+    "InvalidConfigError",
+    "InvalidRequestError",
+    "InvalidTransition",
+    "OmniTrioError",
+    "RequestAbortedError",
+    "RequestFailedError",
+    "StallError",
+    "WorkerError",
+]
+
+
+class OmniTrioError(Exception):
+    """Base of every error omni_trio raises on purpose."""
+
+
+class InvalidRequestError(OmniTrioError, ValueError):
+    """A request was rejected before admission; ``param`` names the offending field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id is already active in this engine."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id {request_id!r} is already active", param="request_id")
+        self.request_id = request_id
+
+
+class InvalidConfigError(OmniTrioError, ValueError):
+    """An ``EngineConfig`` field is invalid, or the model cannot serve the configuration."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RequestAbortedError(OmniTrioError):
+    """The request was aborted before it produced its output."""
+
+    def __init__(self, request_id: str, message: str | None = None) -> None:
+        super().__init__(message or f"Request {request_id} aborted.")
+        self.request_id = request_id
+
+
+class RequestFailedError(OmniTrioError):
+    """The request ran and failed; ``error_type`` is the name of the original exception type."""
+
+    def __init__(self, request_id: str, message: str, error_type: str | None = None) -> None:
+        super().__init__(f"Request {request_id} failed: {error_type or 'Error'}: {message}")
+        self.request_id = request_id
+        self.error = message
+        self.error_type = error_type
+
+
+class EngineClosedError(OmniTrioError):
+    """The engine was closed by its owner; no new work is accepted."""
+
+
+class EngineDeadError(OmniTrioError):
+    """The engine died (scheduler failure, dead worker group); nothing more will run."""
+
+
+class InvalidTransition(OmniTrioError):
+    """An illegal lifecycle move; names the request, both states and its recent history."""
+
+    def __init__(
+        self, request_id: str, start: Any, finish: Any, history: Sequence[Any] = ()
+    ) -> None:
+        names = [getattr(s, "name", str(s)) for s in history]
+        super().__init__(
+            f"illegal transition for request {request_id!r}: "
+            f"{getattr(start, 'name', start)} -> {getattr(finish, 'name', finish)} "
+            f"(history: {' -> '.join(names) or 'none'})"
+        )
+        self.request_id = request_id
+        self.start = start
+        self.finish = finish
+        self.history = tuple(history)
+
+
+class WorkerError(OmniTrioError):
+    """A worker failed.  The remote error is boxed: its type name, the worker and traceback text."""
+
+    def __init__(
+        self, message: str, *, worker: str | int | None = None, error_type: str | None = None,
+        traceback_text: str | None = None,
+    ) -> None:
+        where = f"worker {worker}: " if worker is not None else ""
+        kind = f"{error_type}: " if error_type else ""
+        super().__init__(f"{where}{kind}{message}")
+        self.worker = worker
+        self.error_type = error_type
+        self.traceback_text = traceback_text
+
+
+class StallError(OmniTrioError, TimeoutError):
+    """A bounded wait ran out; ``phase`` names what stalled (admission, forward, output, rpc)."""
+
+    def __init__(self, phase: str, message: str) -> None:
+        super().__init__(f"{phase} stalled: {message}")
+        self.phase = phase

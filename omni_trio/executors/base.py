@@ -1,0 +1,157 @@
+"""The executor contract: runs scheduler decisions, never makes them (INV-2).
+
+An executor is an actor started by :func:`open_executor` in its own nursery: ``serve`` loads
+the worker group and reports ready through ``task_status.started()``; the engine then calls
+``execute_batch`` (request mode) or ``execute_step`` (step mode) one at a time, and
+``collective_rpc`` only between them.  ``abort_requests`` is synchronous and never waits: it
+sets the stop flags that running forwards check at their next step boundary.
+
+A backend that can no longer be trusted (a worker died, a fatal error) *fails closed*:
+``is_dead`` turns True, every later call raises :class:`EngineDeadError`, and the engine
+decides what happens to its requests.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from ..config import EngineConfig
+from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError
+
+if TYPE_CHECKING:
+    from ..models import ModelInfo
+
+__all__ = ["Executor", "open_executor", "resolve_executor_class"]
+
+
+class Executor(abc.ABC):
+    """Base class of every backend (inproc, tractor, ray, or a user's subclass)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_info: ModelInfo | None = None
+        self._dead_reason: BaseException | None = None
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def serve(self, *, task_status: trio.TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the workers, load the model, call ``task_status.started(self)``, then run
+        until cancelled.  Cancellation stops the workers (bounded) and releases everything."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Stop in-flight work at its next step, shut the workers down (ask, bounded wait,
+        terminate); idempotent and shielded from cancellation."""
+
+    # -- execution ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Request mode: run the wave in ``scheduler_output``; outputs keyed by request id.
+
+        Per-request failures come back as error outputs.  Raises only when the executor
+        itself failed (then ``is_dead`` is True) or was closed.  If cancelled, the forward is
+        stopped at its next step and its results are discarded.
+        """
+
+    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Step mode: run one denoising step for every scheduled request."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step execution")
+
+    @abc.abstractmethod
+    async def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = 0,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method`` on every worker.  Returns the reply of ``unique_reply_rank``, or a
+        list of every rank's reply when it is None.  Raises :class:`StallError` on timeout."""
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Mark requests aborted so running forwards stop at their next step; never blocks."""
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(steps done, total steps) of a running request, if the backend tracks it."""
+        return None
+
+    # -- health -------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_reason is not None
+
+    @property
+    def dead_reason(self) -> BaseException | None:
+        return self._dead_reason
+
+    def fail(self, reason: BaseException) -> None:
+        """Fail closed: remember the first reason; every later call raises EngineDeadError."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the worker group failed, EngineClosedError if closed."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(
+                f"executor failed: {type(self._dead_reason).__name__}: {self._dead_reason}"
+            ) from self._dead_reason
+        if self._closed:
+            raise EngineClosedError("executor is closed")
+
+
+def resolve_executor_class(backend: Any) -> type[Executor]:
+    """Map ``EngineConfig.backend`` to an executor class."""
+    if isinstance(backend, type):
+        cls: Any = backend
+    elif backend == "inproc":
+        from .inproc import InprocExecutor
+
+        cls = InprocExecutor
+    elif backend in ("tractor", "ray"):
+        raise InvalidConfigError(
+            f"backend {backend!r} is not available in this version", field="backend"
+        )
+    elif isinstance(backend, str) and ":" in backend:
+        module_name, _, attr = backend.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise InvalidConfigError(
+                f"cannot import executor {backend!r}: {exc}", field="backend"
+            ) from exc
+    else:
+        raise InvalidConfigError(f"unknown backend {backend!r}", field="backend")
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise InvalidConfigError(
+            f"backend {backend!r} is not an omni_trio Executor subclass", field="backend"
+        )
+    return cls
+
+
+@asynccontextmanager
+async def open_executor(config: EngineConfig) -> AsyncIterator[Executor]:
+    """Start the configured executor in its own nursery and yield it once its workers are
+    ready.  Leaving the block for any reason closes it (bounded) and joins its tasks."""
+    cls = resolve_executor_class(config.backend)
+    executor = cls(config)
+    async with trio.open_nursery() as nursery:
+        try:
+            await nursery.start(executor.serve)
+            yield executor
+        finally:
+            with trio.CancelScope(shield=True):
+                await executor.aclose()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,146 @@
+"""The in-process executor: one worker in the engine's process, forwards in an owned thread.
+
+The event loop never blocks on the model: every worker call runs in the worker's own
+:class:`WorkerThread`, one at a time, so the loop stays responsive to aborts, health checks
+and new requests while a forward runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+
+from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from ..config import EngineConfig
+from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
+from ..worker.runner import StepProgress
+from ..worker.stop_flags import StopFlags
+from ..worker.worker import Worker
+from .base import Executor
+from .worker_thread import WorkerThread
+
+__all__ = ["InprocExecutor"]
+
+log = logging.getLogger(__name__)
+
+
+class InprocExecutor(Executor):
+    """Backend ``"inproc"``: a single worker (rank 0) living in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        if config.num_workers != 1:
+            from ..errors import InvalidConfigError
+
+            raise InvalidConfigError(
+                "the inproc backend runs exactly one worker; use backend='tractor' for more",
+                field="num_workers",
+            )
+        self.stop_flags = StopFlags()
+        self._progress: StepProgress = {}
+        self._worker: Worker | None = None
+        self._thread = WorkerThread("omni-trio-worker-0", stall_timeout_s=config.close_timeout_s)
+        self._closed_event = trio.Event()
+        self._closing = False
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Load the model in the worker thread, report ready, run until cancelled.
+
+        Cancellation during loading waits for the load to finish (it cannot be interrupted)
+        and then shuts the worker down.
+        """
+        self._thread.start()
+        try:
+            worker = Worker(self.config, stop_flags=self.stop_flags, progress=self._progress)
+            self._worker = worker
+            await self._thread.run(worker.init_device)
+            self.model_info = await self._thread.run(worker.load_model)
+            task_status.started(self)
+            await trio.sleep_forever()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closing:
+            with trio.CancelScope(shield=True):
+                await self._closed_event.wait()
+            return
+        self._closing = True
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            try:
+                self.stop_flags.stop_everything()
+                worker, self._worker = self._worker, None
+                if worker is not None and self._thread.alive:
+                    try:
+                        await self._thread.run(worker.shutdown)
+                    except Exception:
+                        log.exception("worker shutdown failed")
+                if not await self._thread.stop():
+                    self.fail(StallError("close", "worker thread did not exit"))
+            finally:
+                self._progress.clear()
+                self._closed_event.set()
+
+    def _usable_worker(self) -> Worker:
+        if self._dead_reason is not None:
+            self.check_health()
+        if self._closed or self._worker is None:
+            raise EngineClosedError("executor is closed")
+        return self._worker
+
+    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        worker = self._usable_worker()
+        ids = scheduler_output.scheduled_request_ids
+        try:
+            return await self._thread.run(
+                functools.partial(worker.execute_scheduler_output, scheduler_output),
+                on_cancel=functools.partial(self.stop_flags.abort, ids),
+            )
+        except (trio.Cancelled, EngineClosedError):
+            raise
+        except StallError as exc:
+            self.fail(exc)
+            raise
+        except Exception as exc:
+            # The runner turns request failures into outputs; an exception here means the
+            # worker itself is broken.  Fail closed.
+            self.fail(exc)
+            raise EngineDeadError(
+                f"worker 0 failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = 0,
+        **kwargs: Any,
+    ) -> Any:
+        worker = self._usable_worker()
+        call = functools.partial(worker.execute_method, method, *args, **kwargs)
+        with trio.move_on_after(float("inf") if timeout is None else timeout) as scope:
+            try:
+                result = await self._thread.run(call, abandon_on_cancel=True)
+            except (AttributeError, TypeError):
+                raise
+            except Exception as exc:
+                raise WorkerError(
+                    str(exc), worker=0, error_type=type(exc).__name__
+                ) from exc
+        if scope.cancelled_caught:
+            raise StallError("rpc", f"RPC {method!r} did not finish within {timeout} s")
+        return result if unique_reply_rank is not None else [result]
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.stop_flags.abort(request_ids)
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        return self._progress.get(request_id)

@@ -1,0 +1,198 @@
+"""The model runner: turns scheduled requests into runner outputs on one device.
+
+Synchronous by design: it runs in the worker's thread (inproc) or process (tractor).  A forward
+checks the shared :class:`StopFlags` before every denoising step, so an abort stops it at the
+next step boundary instead of waiting for the whole forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._core.messages import BatchRunnerOutput, RunnerOutput
+from .._core.request import DiffusionRequest
+from ..config import EngineConfig
+from ..errors import InvalidConfigError
+from .stop_flags import ForwardStopped, StopFlags
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models import DiffusionModel, ModelInfo
+
+__all__ = ["ModelRunner", "StepProgress", "convert_output"]
+
+log = logging.getLogger(__name__)
+
+# request id -> (steps done, total steps); written by the forward, read by the event loop.
+StepProgress = MutableMapping[str, tuple[int, int]]
+
+
+def convert_output(raw: Any, output_type: str) -> Any:
+    """Turn one model output (HWC float array in [0, 1], or a latent tensor) into ``output_type``."""
+    import numpy as np
+
+    if output_type == "latent":
+        return raw.detach().to("cpu") if hasattr(raw, "detach") else raw
+    array = np.asarray(raw, dtype=np.float32)
+    if output_type == "np":
+        return array
+    if output_type == "pt":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+    from PIL import Image
+
+    pixels = (array * 255.0).round().clip(0, 255).astype(np.uint8)
+    if pixels.shape[-1] == 1:
+        pixels = pixels[..., 0]
+    return Image.fromarray(pixels)
+
+
+class ModelRunner:
+    """Owns the loaded model and runs request-mode forwards.
+
+    ``execute_model_batch`` never raises for a request's own failure: it returns a per-request
+    error output.  It raises only for errors that make the runner unusable.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        stop_flags: StopFlags,
+        progress: StepProgress | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.stop_flags = stop_flags
+        self.progress: StepProgress = progress if progress is not None else {}
+        self._model: DiffusionModel | None = None
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._model is None:
+            raise RuntimeError("model not loaded")
+        return self._model.info
+
+    def load_model(self) -> ModelInfo:
+        """Load the configured model; reject configurations the model cannot serve."""
+        from ..models import load_model
+
+        model = load_model(
+            self.config.model,
+            device=self.device,
+            dtype=self.dtype,
+            cache_dir=self.config.resolved_cache_dir,
+            options=self.config.model_options,
+        )
+        if self.config.max_num_seqs > 1 and not model.info.supports_batch:
+            model.close()
+            raise InvalidConfigError(
+                f"model {model.info.name!r} cannot run several requests in one forward; "
+                f"use max_num_seqs=1 (got {self.config.max_num_seqs})",
+                field="max_num_seqs",
+            )
+        self._model = model
+        return model.info
+
+    def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:
+        return self.execute_model_batch([request])
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchRunnerOutput:
+        """Run one fused forward for a compatible wave; one output per request, keyed by id."""
+        import torch
+
+        if self._model is None:
+            raise RuntimeError("model not loaded")
+        model = self._model
+        ids = [r.request_id for r in requests]
+        if self.stop_flags.should_stop(ids):
+            return BatchRunnerOutput.from_list([RunnerOutput(rid, aborted=True) for rid in ids])
+        missing_seed = [r.request_id for r in requests if r.sampling.seed is None]
+        if missing_seed:
+            return BatchRunnerOutput.from_list(
+                [
+                    RunnerOutput(rid, error="request reached the runner without a seed",
+                                 error_type="ValueError")
+                    for rid in ids
+                ]
+            )
+        gen_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        generators = [
+            torch.Generator(device=gen_device).manual_seed(int(r.sampling.seed))  # type: ignore[arg-type]
+            for r in requests
+        ]
+        output_type = requests[0].sampling.output_type
+        progress = self.progress
+        flags = self.stop_flags
+
+        def on_step(step: int, total: int) -> None:
+            if flags.should_stop(ids):
+                raise ForwardStopped(ids, step)
+            for rid in ids:
+                progress[rid] = (step, total)
+
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                raw = model.generate(
+                    requests,
+                    generators,
+                    output_type="latent" if output_type == "latent" else "np",
+                    on_step=on_step,
+                )
+            if len(raw) != len(requests):
+                raise RuntimeError(
+                    f"model returned {len(raw)} outputs for {len(requests)} requests"
+                )
+        except ForwardStopped:
+            return BatchRunnerOutput.from_list([RunnerOutput(rid, aborted=True) for rid in ids])
+        except Exception as exc:  # a request failure, not a runner failure
+            log.debug("forward of %s failed", ids, exc_info=True)
+            return BatchRunnerOutput.from_list(
+                [RunnerOutput.from_exception(rid, exc) for rid in ids]
+            )
+        finally:
+            for rid in ids:
+                progress.pop(rid, None)
+        forward_ms = (time.perf_counter() - started) * 1000.0
+        outputs = []
+        for request, images in zip(requests, raw, strict=True):
+            rid = request.request_id
+            if flags.is_aborted(rid):
+                outputs.append(RunnerOutput(rid, aborted=True))
+                continue
+            post_started = time.perf_counter()
+            try:
+                converted = tuple(convert_output(img, output_type) for img in images)
+            except Exception as exc:
+                outputs.append(RunnerOutput.from_exception(rid, exc))
+                continue
+            timings: Mapping[str, float] = {
+                "forward_ms": forward_ms,
+                "postprocess_ms": (time.perf_counter() - post_started) * 1000.0,
+            }
+            outputs.append(RunnerOutput(rid, images=converted, timings=timings))
+        return BatchRunnerOutput.from_list(outputs)
+
+    def close(self) -> None:
+        """Release the model and its memory; idempotent."""
+        model, self._model = self._model, None
+        if model is not None:
+            model.close()
+            del model
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # pragma: no cover - best effort
+            pass

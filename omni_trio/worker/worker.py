@@ -1,0 +1,130 @@
+"""The worker: owns one device, its runner and (later) its output packer.
+
+A worker never admits or reorders requests; it runs what it is sent (INV-2).  All methods are
+synchronous and run in the worker's own thread (inproc) or process (tractor); the executor
+reaches them by name through :meth:`Worker.execute_method`, which is the RPC surface.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from .._core.request import DiffusionRequest
+from ..config import EngineConfig
+from .runner import ModelRunner, StepProgress
+from .stop_flags import StopFlags
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models import ModelInfo
+
+__all__ = ["RPC_METHODS", "Worker", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+# Methods callable through collective_rpc.  Anything else is refused.
+RPC_METHODS = frozenset(
+    {"ping", "describe", "execute_model", "execute_model_batch", "set_torch_threads"}
+)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    import torch
+
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+class Worker:
+    """One replica of the model on one device."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        stop_flags: StopFlags | None = None,
+        progress: StepProgress | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.stop_flags = stop_flags or StopFlags()
+        self.progress: StepProgress = progress if progress is not None else {}
+        self.runner: ModelRunner | None = None
+        self.model_info: ModelInfo | None = None
+
+    def init_device(self) -> None:
+        """Select the device and apply the thread setting (process-wide in torch)."""
+        self.set_torch_threads(self.config.resolved_torch_threads)
+
+    def set_torch_threads(self, n: int) -> int:
+        import torch
+
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return torch.get_num_threads()
+
+    def load_model(self) -> ModelInfo:
+        device = resolve_device(self.config.device)
+        dtype = resolve_dtype(self.config.dtype, device)
+        runner = ModelRunner(self.config, device, dtype, self.stop_flags, self.progress)
+        self.model_info = runner.load_model()
+        self.runner = runner
+        return self.model_info
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"worker {self.rank} has no model loaded")
+        return self.runner
+
+    def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:
+        return self._runner().execute_model(request)
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchRunnerOutput:
+        return self._runner().execute_model_batch(requests)
+
+    def execute_scheduler_output(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Request mode: run the wave's new requests (one, or one fused batch)."""
+        self.stop_flags.forget(scheduler_output.finished_req_ids)
+        requests = [r.request for r in scheduler_output.scheduled_new_reqs]
+        if len(requests) == 1:
+            return self.execute_model(requests[0])
+        return self.execute_model_batch(requests)
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid(), "loaded": self.runner is not None}
+
+    def describe(self) -> dict[str, Any]:
+        runner = self.runner
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "device": str(runner.device) if runner else None,
+            "model": self.model_info.name if self.model_info else None,
+        }
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method not in RPC_METHODS:
+            raise AttributeError(f"worker has no RPC method {method!r}")
+        return getattr(self, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()
