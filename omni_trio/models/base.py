@@ -1,0 +1,180 @@
+"""The contract the runner drives: :class:`DiffusionModel`, :class:`ModelInfo`, :class:`StepHook`.
+
+A model turns one *fused batch* of compatible requests into outputs in a single forward.  It
+knows nothing about scheduling, lifecycles or trio: the runner calls :meth:`DiffusionModel.generate`
+from a worker thread and stops it early by raising from the step hook (there is no other way in;
+a forward has no checkpoint but the hook).
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from .._core.request import DiffusionRequest
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FAMILIES",
+    "MODEL_OUTPUT_TYPES",
+    "BatchParams",
+    "DiffusionModel",
+    "Family",
+    "ModelInfo",
+    "ModelOutputType",
+    "StepHook",
+]
+
+Family = Literal["text2image", "unconditional", "echo"]
+FAMILIES: tuple[str, ...] = ("text2image", "unconditional", "echo")
+ModelOutputType = Literal["np", "latent"]
+MODEL_OUTPUT_TYPES: tuple[str, ...] = ("np", "latent")
+
+
+class StepHook(Protocol):
+    """Called *before* each denoising step with the 0-based ``step`` and the step ``total``.
+
+    It runs on the thread that runs :meth:`DiffusionModel.generate`.  Raising from it stops the
+    forward at once: the exception propagates out of ``generate`` unchanged and no output is
+    produced for any request of the batch.
+    """
+
+    def __call__(self, step: int, total: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the runner may rely on about a loaded model.
+
+    ``name`` is the built-in name (``builtin:tiny-sd``) or the local path as given.
+    ``supports_batch``: several requests may share one :meth:`DiffusionModel.generate` call.
+    ``default_height``/``default_width`` are used when a request leaves its size ``None``.
+    ``text_conditioned``: the output depends on the prompt (and negative prompt).
+    """
+
+    name: str
+    family: Family
+    supports_batch: bool
+    default_height: int
+    default_width: int
+    text_conditioned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BatchParams:
+    """The sampling values every request of a fused batch shares, with defaults resolved.
+
+    ``steps`` is the request's ``total_steps`` (timesteps > sigmas > num_inference_steps).
+    """
+
+    height: int
+    width: int
+    num_inference_steps: int
+    steps: int
+    guidance_scale: float
+    num_outputs: int
+    timesteps: tuple[float, ...] | None
+    sigmas: tuple[float, ...] | None
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: Sequence[DiffusionRequest],
+        generators: Sequence[torch.Generator],
+        info: ModelInfo,
+        output_type: str,
+    ) -> BatchParams:
+        """Check that ``requests`` may run as one fused call and return what they share.
+
+        Raises :class:`ValueError` (a runner bug, not user input) for an empty batch, a
+        generator count that differs from the request count, an unknown ``output_type``, a
+        batch of several requests on a model without batching, or two requests that differ in
+        size, schedule, guidance or output count (naming both request ids and the field).
+        Negative prompts may be mixed: a missing one means the empty prompt.
+        """
+        if not requests:
+            raise ValueError("generate() needs at least one request")
+        if len(generators) != len(requests):
+            raise ValueError(
+                f"got {len(generators)} generators for {len(requests)} requests; "
+                "every request needs its own generator"
+            )
+        if output_type not in MODEL_OUTPUT_TYPES:
+            raise ValueError(
+                f"output_type must be one of {', '.join(MODEL_OUTPUT_TYPES)}, got {output_type!r}"
+            )
+        if len(requests) > 1 and not info.supports_batch:
+            raise ValueError(f"model {info.name} cannot run {len(requests)} requests in one call")
+
+        def values(request: DiffusionRequest) -> dict[str, Any]:
+            sp = request.sampling
+            return {
+                "height": sp.height or info.default_height,
+                "width": sp.width or info.default_width,
+                "num_inference_steps": sp.num_inference_steps,
+                "steps": sp.total_steps,
+                "guidance_scale": float(sp.guidance_scale),
+                "num_outputs": sp.num_outputs_per_prompt,
+                "timesteps": tuple(sp.timesteps) if sp.timesteps is not None else None,
+                "sigmas": tuple(sp.sigmas) if sp.sigmas is not None else None,
+            }
+
+        first = values(requests[0])
+        for request in requests[1:]:
+            other = values(request)
+            for key, value in first.items():
+                if other[key] != value:
+                    raise ValueError(
+                        f"requests {requests[0].request_id!r} and {request.request_id!r} cannot "
+                        f"share a fused call: {key} {value!r} != {other[key]!r}"
+                    )
+        return cls(**first)
+
+
+class DiffusionModel(abc.ABC):
+    """A loaded model.  One :meth:`generate` runs at a time (calls are serialised).
+
+    Thread use: :meth:`generate` blocks and is meant to run in a worker thread; :meth:`to` and
+    :meth:`close` must not run concurrently with it.
+    """
+
+    info: ModelInfo
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        requests: Sequence[DiffusionRequest],
+        generators: Sequence[torch.Generator],
+        *,
+        output_type: ModelOutputType,
+        on_step: StepHook,
+    ) -> list[list[Any]]:
+        """One fused forward for compatible requests (same size, steps, guidance, n).
+
+        Returns, per request and in the same order, a list of
+        ``sampling.num_outputs_per_prompt`` outputs: float32 numpy HWC arrays in [0, 1] for
+        ``"np"``, torch tensors ``(C, h, w)`` for ``"latent"``.  No output shares memory with
+        another output.  ``generators[i]`` is request *i*'s own, already seeded generator; all
+        of request *i*'s randomness comes from it (its *n* outputs draw from it in order), so
+        the same seeds in the same batch composition give bit-identical outputs.  Batch
+        composition matters: the same request in a different batch may differ numerically.
+
+        ``on_step(step, total)`` is called before every denoising step; whatever it raises
+        propagates unchanged and ends the forward.  Raises :class:`ValueError` for an
+        incompatible batch (see :meth:`BatchParams.from_requests`) and
+        :class:`~omni_trio.errors.InvalidRequestError` for a request the model cannot serve.
+        """
+
+    @abc.abstractmethod
+    def to(self, device: torch.device | str) -> None:
+        """Move the weights to ``device`` (later outputs are produced there)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the weights.  Idempotent; :meth:`generate` raises ``RuntimeError`` after it."""

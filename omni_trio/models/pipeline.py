@@ -1,0 +1,318 @@
+"""A diffusers pipeline behind the :class:`~omni_trio.models.base.DiffusionModel` contract.
+
+Every fused batch is one call to the pipeline's own ``__call__``.  Progress and early stop are
+generic: for the duration of the call a forward pre-hook on the pipeline's ``unet`` calls
+``on_step`` before every UNet call (one per denoising step; classifier-free guidance runs both
+halves in one call), so pipelines without a step callback (``DDIMPipeline``) can be stopped too.
+``total`` is ``len(pipe.scheduler.timesteps)`` once the pipeline has set its schedule, which
+equals ``num_inference_steps`` for the DDIM/Euler-style schedulers of the built-ins.
+
+Families:
+
+- ``text2image``: a ``UNet2DConditionModel`` with a text encoder and tokenizer whose
+  ``__call__`` takes prompt, negative_prompt, height, width, num_images_per_prompt, ... and no
+  conditioning image (``StableDiffusionPipeline`` and look-alikes).
+- ``unconditional``: a pipeline of only a ``UNet2DModel`` and a scheduler (``DDIMPipeline``,
+  ``DDPMPipeline``); the prompt is ignored and the size is fixed by the UNet.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidConfigError, InvalidRequestError
+from .base import BatchParams, DiffusionModel, Family, ModelInfo, ModelOutputType, StepHook
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._core.request import DiffusionRequest
+
+__all__ = ["DiffusersModel", "detect_family", "unet_step_hook"]
+
+_TEXT2IMAGE_PARAMS = frozenset(
+    {
+        "prompt",
+        "negative_prompt",
+        "height",
+        "width",
+        "num_inference_steps",
+        "guidance_scale",
+        "num_images_per_prompt",
+        "generator",
+        "output_type",
+        "return_dict",
+    }
+)
+_CONDITIONING_IMAGE_PARAMS = frozenset({"image", "mask_image", "control_image"})
+_UNCONDITIONAL_PARAMS = frozenset(
+    {"batch_size", "generator", "num_inference_steps", "output_type", "return_dict"}
+)
+
+
+def _call_params(pipe: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(pipe.__call__).parameters)
+
+
+def detect_family(pipe: Any) -> Family | None:
+    """The family of a loaded diffusers pipeline, or ``None`` if omni_trio cannot drive it."""
+    from diffusers import UNet2DConditionModel, UNet2DModel
+
+    unet = getattr(pipe, "unet", None)
+    params = _call_params(pipe)
+    if (
+        isinstance(unet, UNet2DConditionModel)
+        and getattr(pipe, "text_encoder", None) is not None
+        and getattr(pipe, "tokenizer", None) is not None
+        and getattr(pipe, "vae", None) is not None
+        and params >= _TEXT2IMAGE_PARAMS
+        and not _CONDITIONING_IMAGE_PARAMS & params
+    ):
+        return "text2image"
+    components = {k for k, v in getattr(pipe, "components", {}).items() if v is not None}
+    if (
+        isinstance(unet, UNet2DModel)
+        and components <= {"unet", "scheduler"}
+        and params >= _UNCONDITIONAL_PARAMS
+    ):
+        return "unconditional"
+    return None
+
+
+def _sample_size(unet: Any) -> tuple[int, int]:
+    size = unet.config.sample_size
+    if isinstance(size, int):
+        return size, size
+    return int(size[0]), int(size[1])
+
+
+@contextmanager
+def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
+    """Call ``on_step(step, total)`` before every forward of ``pipe.unet`` inside the block.
+
+    The hook is removed on exit, whatever happens.  Whatever ``on_step`` raises propagates out
+    of the UNet call, and so out of the pipeline call.
+    """
+    calls = 0
+
+    def hook(module: Any, args: Any) -> None:
+        nonlocal calls
+        # The pipeline has set its schedule before the first UNet call.
+        total = max(len(pipe.scheduler.timesteps), calls + 1)
+        on_step(calls, total)
+        calls += 1
+
+    handle = pipe.unet.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class DiffusersModel(DiffusionModel):
+    """A loaded diffusers pipeline of a supported family (see the module docstring)."""
+
+    def __init__(self, pipe: Any, *, name: str) -> None:
+        """Wrap ``pipe``; raises :class:`InvalidConfigError` naming ``name`` and the pipeline
+        class if its family is not supported."""
+        family = detect_family(pipe)
+        if family is None:
+            raise InvalidConfigError(
+                f"model {name!r} is a {type(pipe).__name__}, which omni_trio cannot serve: "
+                "expected a text-to-image pipeline (UNet2DConditionModel + text encoder, like "
+                "StableDiffusionPipeline) or an unconditional one (UNet2DModel + scheduler, "
+                "like DDIMPipeline)",
+                field="model",
+            )
+        pipe.set_progress_bar_config(disable=True)
+        height, width = _sample_size(pipe.unet)
+        text_conditioned = family == "text2image"
+        if text_conditioned:
+            scale = int(pipe.vae_scale_factor)
+            height, width = height * scale, width * scale
+        self.info = ModelInfo(
+            name=name,
+            family=family,
+            supports_batch=True,
+            default_height=height,
+            default_width=width,
+            text_conditioned=text_conditioned,
+        )
+        self._pipe: Any = pipe
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Path, *, name: str, device: torch.device | str, dtype: torch.dtype
+    ) -> DiffusersModel:
+        """Load a local diffusers directory (never the network) onto ``device`` as ``dtype``.
+
+        Raises :class:`InvalidConfigError` if diffusers cannot load it or cannot serve it.
+        """
+        import importlib.util
+
+        from diffusers import DiffusionPipeline
+
+        from .loading import quiet_hf
+
+        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+        if importlib.util.find_spec("accelerate") is None:
+            kwargs["low_cpu_mem_usage"] = False  # what diffusers falls back to, minus a warning
+        try:
+            with quiet_hf():
+                pipe = DiffusionPipeline.from_pretrained(str(path), **kwargs)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+            raise InvalidConfigError(
+                f"cannot load model {name!r} from {str(path)!r}: {type(exc).__name__}: {exc}",
+                field="model",
+            ) from exc
+        model = cls(pipe, name=name)
+        model.to(device)
+        return model
+
+    @property
+    def pipeline(self) -> Any:
+        """The wrapped diffusers pipeline (raises ``RuntimeError`` once closed)."""
+        if self._pipe is None:
+            raise RuntimeError(f"model {self.info.name} is closed")
+        return self._pipe
+
+    def generate(
+        self,
+        requests: Sequence[DiffusionRequest],
+        generators: Sequence[torch.Generator],
+        *,
+        output_type: ModelOutputType,
+        on_step: StepHook,
+    ) -> list[list[Any]]:
+        """See :meth:`DiffusionModel.generate`.
+
+        ``"latent"`` outputs are the final latents ``(4, H/8, W/8)`` for text2image and the
+        final sample ``(3, H, W)`` in [0, 1] for unconditional models, on the model's device.
+        Explicit ``timesteps``/``sigmas`` go to the scheduler as they are; how many steps they
+        make is the scheduler's business (Euler: ``len(sigmas) - 1``), and ``on_step``'s
+        ``total`` says what it decided.  :class:`InvalidRequestError` is raised for explicit
+        ``timesteps``/``sigmas`` the scheduler does not take, and, on an unconditional model,
+        for a size other than its own.
+        """
+        with self._lock:
+            pipe = self.pipeline
+            params = BatchParams.from_requests(requests, generators, self.info, output_type)
+            n = params.num_outputs
+            # Output k of request i draws from request i's generator, in order.
+            repeated = [generator for generator in generators for _ in range(n)]
+            call: Callable[[], Any]
+            if self.info.family == "text2image":
+                call = self._text2image_call(pipe, requests, repeated, params, output_type)
+            else:
+                call = self._unconditional_call(pipe, requests, repeated, params, output_type)
+            with unet_step_hook(pipe, on_step):
+                images = call()
+            return [[_own(images[i * n + j]) for j in range(n)] for i in range(len(requests))]
+
+    def _text2image_call(
+        self,
+        pipe: Any,
+        requests: Sequence[DiffusionRequest],
+        generators: list[torch.Generator],
+        params: BatchParams,
+        output_type: ModelOutputType,
+    ) -> Callable[[], Any]:
+        for param, values in (("timesteps", params.timesteps), ("sigmas", params.sigmas)):
+            accepted = inspect.signature(pipe.scheduler.set_timesteps).parameters
+            if values is not None and param not in accepted:
+                raise InvalidRequestError(
+                    f"model {self.info.name}'s scheduler {type(pipe.scheduler).__name__} does "
+                    f"not take explicit {param} (request {requests[0].request_id!r})",
+                    param=param,
+                )
+        negatives = [request.sampling.negative_prompt for request in requests]
+        kwargs: dict[str, Any] = {
+            "prompt": [request.prompt for request in requests],
+            # A missing negative prompt is the empty prompt, which is what diffusers uses for
+            # None, so mixed batches render exactly as separate ones would.
+            "negative_prompt": (
+                None if all(neg is None for neg in negatives) else [neg or "" for neg in negatives]
+            ),
+            "height": params.height,
+            "width": params.width,
+            "num_inference_steps": params.num_inference_steps,
+            "guidance_scale": params.guidance_scale,
+            "num_images_per_prompt": params.num_outputs,
+            "generator": generators,
+            "output_type": output_type,
+            "return_dict": False,
+        }
+        if params.timesteps is not None:
+            kwargs["timesteps"] = list(params.timesteps)
+        elif params.sigmas is not None:
+            kwargs["sigmas"] = list(params.sigmas)
+
+        def call() -> Any:
+            images = pipe(**kwargs)[0]
+            return images if output_type == "latent" else images.astype("float32", copy=False)
+
+        return call
+
+    def _unconditional_call(
+        self,
+        pipe: Any,
+        requests: Sequence[DiffusionRequest],
+        generators: list[torch.Generator],
+        params: BatchParams,
+        output_type: ModelOutputType,
+    ) -> Callable[[], Any]:
+        first = requests[0]
+        if params.timesteps is not None or params.sigmas is not None:
+            raise InvalidRequestError(
+                f"model {self.info.name} does not take explicit timesteps or sigmas "
+                f"(request {first.request_id!r})",
+                param="timesteps" if params.timesteps is not None else "sigmas",
+            )
+        size = (self.info.default_height, self.info.default_width)
+        if (params.height, params.width) != size:
+            raise InvalidRequestError(
+                f"model {self.info.name} only renders {size[1]}x{size[0]}, not "
+                f"{params.width}x{params.height} (request {first.request_id!r})",
+                param="size",
+            )
+
+        def call() -> Any:
+            images = pipe(
+                batch_size=len(generators),
+                generator=generators,
+                num_inference_steps=params.num_inference_steps,
+                output_type="pt" if output_type == "latent" else "np",
+                return_dict=False,
+            )[0]
+            return images if output_type == "latent" else images.astype("float32", copy=False)
+
+        return call
+
+    def to(self, device: torch.device | str) -> None:
+        with self._lock:
+            self.pipeline.to(device)
+
+    def close(self) -> None:
+        if self._pipe is None:
+            return
+        with self._lock:
+            self._pipe = None
+            gc.collect()
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def _own(item: Any) -> Any:
+    """A copy of one batch row that does not keep the whole batch's storage alive."""
+    if hasattr(item, "clone"):
+        return item.clone()
+    return item.copy()

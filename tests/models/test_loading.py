@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omni_trio.errors import InvalidConfigError
+from omni_trio.models import BUILTIN_MODELS, load_model
+from omni_trio.models.echo import EchoModel
+
+from .support import generators, no_steps, request
+
+
+def load(model: str, cache_dir: Path, **options: Any) -> Any:
+    return load_model(
+        model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        cache_dir=cache_dir,
+        options=options,
+    )
+
+
+def test_unknown_builtin_lists_the_builtins(tmp_path: Path) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        load("builtin:tiny-flux", tmp_path)
+    assert info.value.field == "model"
+    for name in BUILTIN_MODELS:
+        assert name in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "empty-dir", "bad-index"])
+def test_bad_paths_are_config_errors(tmp_path: Path, make: str) -> None:
+    path = tmp_path / "model"
+    if make == "file":
+        path.write_text("not a model")
+    elif make == "empty-dir":
+        path.mkdir()
+    elif make == "bad-index":
+        path.mkdir()
+        (path / "model_index.json").write_text("{not json")
+    with pytest.raises(InvalidConfigError) as info:
+        load(str(path), tmp_path)
+    assert info.value.field == "model"
+    assert str(path) in str(info.value)
+
+
+def test_echo_is_built_with_its_options(tmp_path: Path) -> None:
+    model = load("builtin:echo", tmp_path, step_delay_s=0.5)
+    assert isinstance(model, EchoModel)
+    assert model.step_delay_s == 0.5
+    assert model.info.name == "builtin:echo"
+    assert not list(tmp_path.iterdir())  # nothing is cached for the fake
+
+
+def test_diffusers_models_take_no_options(model_cache_dir: Path) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        load("builtin:tiny-ddim", model_cache_dir, step_delay_s=1)
+    assert info.value.field == "model_options"
+
+
+def test_a_user_directory_loads_like_the_builtin(
+    tmp_path: Path, model_cache_dir: Path, tiny_sd: Any
+) -> None:
+    directory = tmp_path / "my-sd"
+    tiny_sd.pipeline.save_pretrained(directory)
+    model = load(str(directory), model_cache_dir)
+    try:
+        assert model.info.name == str(directory)
+        assert model.info.family == "text2image"
+        ours = model.generate([request()], generators(4), output_type="np", on_step=no_steps)
+        builtin = tiny_sd.generate([request()], generators(4), output_type="np", on_step=no_steps)
+        assert np.array_equal(ours[0][0], builtin[0][0])
+    finally:
+        model.close()
+
+
+def test_an_unsupported_pipeline_directory_is_named(tmp_path: Path, tiny_sd: Any) -> None:
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    directory = tmp_path / "img2img"
+    StableDiffusionImg2ImgPipeline(**tiny_sd.pipeline.components).save_pretrained(directory)
+    with pytest.raises(InvalidConfigError, match="StableDiffusionImg2ImgPipeline"):
+        load(str(directory), tmp_path)
+
+
+def test_importing_the_package_does_not_import_torch() -> None:
+    code = (
+        "import sys, omni_trio.models; "
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_unwritable_cache_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with pytest.raises(InvalidConfigError) as info:
+        load("builtin:tiny-ddim", blocker)
+    assert info.value.field == "cache_dir"

@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omni_trio.errors import InvalidConfigError, InvalidRequestError
+from omni_trio.models.pipeline import DiffusersModel
+
+from .support import StepRecorder, Stop, generators, no_steps, request
+
+
+def images(model: Any, reqs: list[Any], seeds: list[int], **kwargs: Any) -> list[list[Any]]:
+    kwargs.setdefault("output_type", "np")
+    kwargs.setdefault("on_step", no_steps)
+    return model.generate(reqs, generators(*seeds), **kwargs)
+
+
+@pytest.fixture(params=["tiny_sd", "tiny_ddim"])
+def model(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(request.param)
+
+
+def test_info(tiny_sd: Any, tiny_ddim: Any) -> None:
+    assert tiny_sd.info.name == "builtin:tiny-sd"
+    assert (tiny_sd.info.family, tiny_sd.info.text_conditioned) == ("text2image", True)
+    assert (tiny_sd.info.default_height, tiny_sd.info.default_width) == (64, 64)
+    assert (tiny_ddim.info.family, tiny_ddim.info.text_conditioned) == ("unconditional", False)
+    assert (tiny_ddim.info.default_height, tiny_ddim.info.default_width) == (32, 32)
+    assert tiny_sd.info.supports_batch and tiny_ddim.info.supports_batch
+
+
+def test_np_outputs_are_float32_hwc_in_unit_range(model: Any) -> None:
+    (image,) = images(model, [request()], [0])[0]
+    size = model.info.default_height
+    assert image.shape == (size, size, 3) and image.dtype == np.float32
+    assert image.min() >= 0.0 and image.max() <= 1.0
+
+
+def test_on_step_is_called_before_every_step(model: Any) -> None:
+    steps = StepRecorder()
+    images(model, [request(num_inference_steps=4)], [0], on_step=steps)
+    assert steps.calls == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+def test_raising_from_on_step_stops_the_forward(model: Any) -> None:
+    steps = StepRecorder(stop_at=1)
+    with pytest.raises(Stop):
+        images(model, [request(num_inference_steps=5)], [0], on_step=steps)
+    assert steps.calls == [(0, 5), (1, 5)]
+    assert not model.pipeline.unet._forward_pre_hooks  # the hook is gone
+    again = StepRecorder()
+    images(model, [request(num_inference_steps=2)], [0], on_step=again)
+    assert again.calls == [(0, 2), (1, 2)]
+
+
+def test_same_seed_and_batch_is_bit_identical(model: Any) -> None:
+    reqs = [request("a", prompt="a cat"), request("b", prompt="a dog")]
+    first = images(model, reqs, [1, 2])
+    second = images(model, reqs, [1, 2])
+    for x, y in zip(first, second, strict=True):
+        assert np.array_equal(x[0], y[0])
+
+
+def test_different_seeds_differ(model: Any) -> None:
+    (a,) = images(model, [request()], [1])[0]
+    (b,) = images(model, [request()], [2])[0]
+    assert np.abs(a - b).mean() > 1e-2
+
+
+def test_each_request_in_a_batch_gets_its_own_generator(model: Any) -> None:
+    reqs = [request("a", prompt="a cat"), request("b", prompt="a dog")]
+    batch = images(model, reqs, [1, 2])
+    alone = [images(model, [reqs[0]], [1])[0][0], images(model, [reqs[1]], [2])[0][0]]
+    # Batch composition may change the last bits, never which request gets which image.
+    for outs, single in zip(batch, alone, strict=True):
+        np.testing.assert_allclose(outs[0], single, atol=1e-3)
+    assert np.abs(batch[0][0] - batch[1][0]).mean() > 1e-2
+
+
+def test_several_outputs_per_prompt(model: Any) -> None:
+    outs = images(
+        model,
+        [request("a", num_outputs_per_prompt=2), request("b", num_outputs_per_prompt=2)],
+        [1, 2],
+    )
+    assert [len(o) for o in outs] == [2, 2]
+    assert np.abs(outs[0][0] - outs[0][1]).mean() > 1e-2
+    # Output 0 of a request is what it gets alone with n=1 (the generator is drawn in order).
+    (alone,) = images(model, [request("a")], [1])[0]
+    np.testing.assert_allclose(outs[0][0], alone, atol=1e-3)
+    flat = [image for o in outs for image in o]
+    assert all(image.base is None for image in flat)  # no output keeps the batch alive
+
+
+def test_negative_prompt_changes_the_image(tiny_sd: Any) -> None:
+    (plain,) = images(tiny_sd, [request()], [3])[0]
+    (negative,) = images(tiny_sd, [request(negative_prompt="blurry, dark")], [3])[0]
+    assert np.abs(plain - negative).max() > 1e-3
+
+
+def test_mixed_negative_prompts_in_one_batch(tiny_sd: Any) -> None:
+    reqs = [request("a"), request("b", negative_prompt="blurry")]
+    batch = images(tiny_sd, reqs, [1, 2])
+    (alone,) = images(tiny_sd, [request("b", negative_prompt="blurry")], [2])[0]
+    np.testing.assert_allclose(batch[1][0], alone, atol=1e-3)
+
+
+def test_prompt_matters_for_text2image(tiny_sd: Any) -> None:
+    (cat,) = images(tiny_sd, [request(prompt="a cat")], [3])[0]
+    (dog,) = images(tiny_sd, [request(prompt="a dog")], [3])[0]
+    assert np.abs(cat - dog).max() > 1e-3
+
+
+def test_size_is_honoured_for_text2image(tiny_sd: Any) -> None:
+    (image,) = images(tiny_sd, [request(height=32, width=48)], [0])[0]
+    assert image.shape == (32, 48, 3)
+
+
+def test_latent_outputs(tiny_sd: Any, tiny_ddim: Any) -> None:
+    (latent,) = images(tiny_sd, [request()], [0], output_type="latent")[0]
+    assert isinstance(latent, torch.Tensor) and latent.shape == (4, 8, 8)
+    (sample,) = images(tiny_ddim, [request()], [0], output_type="latent")[0]
+    assert isinstance(sample, torch.Tensor) and sample.shape == (3, 32, 32)
+    (image,) = images(tiny_ddim, [request()], [0])[0]
+    np.testing.assert_allclose(sample.permute(1, 2, 0).numpy(), image, atol=1e-6)
+
+
+def test_explicit_schedules_for_text2image(tiny_sd: Any) -> None:
+    steps = StepRecorder()
+    images(tiny_sd, [request(timesteps=(801.0, 401.0, 1.0))], [0], on_step=steps)
+    assert steps.calls == [(0, 3), (1, 3), (2, 3)]
+    # Euler's sigmas include the final one: four sigmas make three steps, and on_step says so.
+    steps = StepRecorder()
+    images(tiny_sd, [request(sigmas=(14.0, 5.0, 1.0, 0.0))], [0], on_step=steps)
+    assert steps.calls == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_unconditional_rejects_what_it_cannot_do(tiny_ddim: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        images(tiny_ddim, [request(height=64, width=64)], [0])
+    assert info.value.param == "size"
+    with pytest.raises(InvalidRequestError) as info:
+        images(tiny_ddim, [request(timesteps=(900.0, 100.0))], [0])
+    assert info.value.param == "timesteps"
+
+
+def test_incompatible_batches_are_rejected(tiny_sd: Any) -> None:
+    with pytest.raises(ValueError, match="guidance_scale"):
+        images(tiny_sd, [request("a"), request("b", guidance_scale=1.0)], [0, 1])
+
+
+def test_an_unsupported_pipeline_is_named(tiny_sd: Any) -> None:
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    img2img = StableDiffusionImg2ImgPipeline(**tiny_sd.pipeline.components)
+    with pytest.raises(InvalidConfigError, match="StableDiffusionImg2ImgPipeline") as info:
+        DiffusersModel(img2img, name="my-model")
+    assert "my-model" in str(info.value)
+
+
+def test_close_releases_and_refuses_work(tiny_ddim: Any) -> None:
+    model = DiffusersModel(tiny_ddim.pipeline, name="copy")
+    model.close()
+    model.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        images(model, [request()], [0])
