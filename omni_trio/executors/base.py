@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
+from trio_typing import TaskStatus
 
 from .._core.messages import BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
@@ -43,7 +44,7 @@ class Executor(abc.ABC):
     # -- lifecycle ----------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def serve(self, *, task_status: trio.TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the workers, load the model, call ``task_status.started(self)``, then run
         until cancelled.  Cancellation stops the workers (bounded) and releases everything."""
 

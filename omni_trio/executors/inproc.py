@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
+from trio_typing import TaskStatus
 
 from .._core.messages import BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
@@ -47,9 +48,7 @@ class InprocExecutor(Executor):
         self._closed_event = trio.Event()
         self._closing = False
 
-    async def serve(
-        self, *, task_status: trio.TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model in the worker thread, report ready, run until cancelled.
 
         Cancellation during loading waits for the load to finish (it cannot be interrupted)
@@ -78,10 +77,16 @@ class InprocExecutor(Executor):
                 self.stop_flags.stop_everything()
                 worker, self._worker = self._worker, None
                 if worker is not None and self._thread.alive:
-                    try:
-                        await self._thread.run(worker.shutdown)
-                    except Exception:
-                        log.exception("worker shutdown failed")
+                    # Bounded (INV-6): a forward that never reaches a step boundary must not
+                    # hold close forever.  On timeout the shutdown stays queued behind it.
+                    budget = self.config.close_timeout_s
+                    with trio.move_on_after(budget) as scope:
+                        try:
+                            await self._thread.run(worker.shutdown, abandon_on_cancel=True)
+                        except Exception:
+                            log.exception("worker shutdown failed")
+                    if scope.cancelled_caught:
+                        self.fail(StallError("close", f"worker 0 did not shut down in {budget} s"))
                 if not await self._thread.stop():
                     self.fail(StallError("close", "worker thread did not exit"))
             finally:
@@ -112,9 +117,7 @@ class InprocExecutor(Executor):
             # The runner turns request failures into outputs; an exception here means the
             # worker itself is broken.  Fail closed.
             self.fail(exc)
-            raise EngineDeadError(
-                f"worker 0 failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise EngineDeadError(f"worker 0 failed: {type(exc).__name__}: {exc}") from exc
 
     async def collective_rpc(
         self,
@@ -132,9 +135,7 @@ class InprocExecutor(Executor):
             except (AttributeError, TypeError):
                 raise
             except Exception as exc:
-                raise WorkerError(
-                    str(exc), worker=0, error_type=type(exc).__name__
-                ) from exc
+                raise WorkerError(str(exc), worker=0, error_type=type(exc).__name__) from exc
         if scope.cancelled_caught:
             raise StallError("rpc", f"RPC {method!r} did not finish within {timeout} s")
         return result if unique_reply_rank is not None else [result]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from trio_typing import TaskStatus
 
 from .._core.lifecycle import RequestState, RequestStatus
 from .._core.messages import (
@@ -159,7 +160,7 @@ class AsyncEngine:
 
     # -- the loop ------------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The busy loop.  Runs until cancelled (by :meth:`aclose`) or the engine dies."""
         self._token = trio.lowlevel.current_trio_token()
         try:
@@ -363,7 +364,9 @@ class AsyncEngine:
         self._handles[rid] = _Handle(request, send)
         self._admitted += 1
         self._wake.set()
-        return RequestStream(rid, request.sampling.seed, receive, self._consumer_gone)
+        return RequestStream(
+            rid, request.sampling.seed, receive, self._consumer_gone, self._consumer_dropped
+        )
 
     async def generate(
         self,
@@ -387,6 +390,22 @@ class AsyncEngine:
         if final is None:  # pragma: no cover - streams always end with a terminal output
             raise EngineClosedError("the request stream ended without an output")
         return raise_for_status(final)
+
+    def _consumer_dropped(self, request_id: str) -> None:
+        """A stream was finalized unread: abort its request on the loop's next turn.
+
+        Finalizers run wherever the garbage collector happens to run, including in the middle
+        of a scheduler update on this very thread; aborting right there would re-enter the
+        scheduler (and could finish a request twice), so the abort is always deferred.
+        """
+        token = self._token
+        if token is None:  # pragma: no cover - streams exist only while the loop serves
+            self._consumer_gone(request_id)
+            return
+        try:
+            token.run_sync_soon(self._consumer_gone, request_id)
+        except trio.RunFinishedError:
+            pass
 
     def _consumer_gone(self, request_id: str) -> None:
         """The consumer stopped reading: abort its request.  Safe from any thread."""
@@ -418,7 +437,9 @@ class AsyncEngine:
         if not request_ids:
             return
         running = set(self.scheduler.running_request_ids())
-        finished = self.scheduler.finish_requests(request_ids, _S.FINISHED_ABORTED, trio.current_time())
+        finished = self.scheduler.finish_requests(
+            request_ids, _S.FINISHED_ABORTED, trio.current_time()
+        )
         stop = [rid for rid in finished if rid in running]
         if stop:
             self.executor.abort_requests(stop)
@@ -435,11 +456,14 @@ class AsyncEngine:
     ) -> Any:
         """Run ``method`` on the workers between batches (never during one).
 
-        Raises :class:`StallError` if ``timeout`` passes first (an RPC still queued is then
+        ``timeout`` of None means ``EngineConfig.rpc_timeout_s`` (itself None: no deadline).
+        Raises :class:`StallError` if the timeout passes first (an RPC still queued is then
         skipped), :class:`WorkerError` if a worker raised.  If cancelled while queued, the
         RPC never runs.
         """
         self._check_open()
+        if timeout is None:
+            timeout = self.config.rpc_timeout_s
         rpc = _PendingRpc(method, args, kwargs, timeout, unique_reply_rank)
         self._rpcs.append(rpc)
         self._wake.set()
@@ -505,7 +529,11 @@ class AsyncEngine:
         for rid in list(self._handles):  # defensive: no stream is ever left open
             self._handles.pop(rid).send.close()
         for rpc in self._rpcs:
-            rpc.error = EngineClosedError(message) if status is _S.FINISHED_ABORTED else EngineDeadError(message)
+            rpc.error = (
+                EngineClosedError(message)
+                if status is _S.FINISHED_ABORTED
+                else EngineDeadError(message)
+            )
             rpc.done.set()
         self._rpcs.clear()
 
@@ -532,7 +560,9 @@ class AsyncEngine:
         with trio.CancelScope(shield=True):
             try:
                 if self._dead is None:
-                    self._terminate_all(_S.FINISHED_ABORTED, "engine is closed", "EngineClosedError")
+                    self._terminate_all(
+                        _S.FINISHED_ABORTED, "engine is closed", "EngineClosedError"
+                    )
                 if self._loop_scope is not None:
                     self._loop_scope.cancel()
                     await self._loop_done.wait()
@@ -576,7 +606,9 @@ async def open_engine(
     for any reason closes the engine and cleans up everything (INV-3).  A warmup failure
     closes the engine and raises ``RuntimeError`` from the original error.
     """
-    config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+    config = (
+        (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+    )
     async with open_executor(config) as executor, trio.open_nursery() as nursery:
         engine = AsyncEngine(config, executor)
         await nursery.start(engine.serve)

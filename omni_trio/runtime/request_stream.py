@@ -27,11 +27,16 @@ class RequestStream:
         seed: int | None,
         receive: trio.MemoryReceiveChannel[DiffusionOutput],
         on_consumer_gone: Callable[[str], None],
+        on_dropped: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_consumer_gone(request_id)`` runs when the consumer leaves early;
+        ``on_dropped(request_id)``, if given, instead when the stream is finalized unread
+        (a finalizer can run at any allocation, so that one must not act synchronously)."""
         self.request_id = request_id
         self.seed = seed
         self._receive = receive
         self._on_consumer_gone: Callable[[str], None] | None = on_consumer_gone
+        self._on_dropped = on_dropped
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -55,12 +60,15 @@ class RequestStream:
             self._finish(consumer_gone=False)
         return output
 
-    def _finish(self, *, consumer_gone: bool) -> None:
+    def _finish(self, *, consumer_gone: bool, dropped: bool = False) -> None:
         if self._done:
             return
         self._done = True
         callback, self._on_consumer_gone = self._on_consumer_gone, None
+        on_dropped, self._on_dropped = self._on_dropped, None
         self._receive.close()
+        if dropped and on_dropped is not None:
+            callback = on_dropped
         if consumer_gone and callback is not None:
             callback(self.request_id)
 
@@ -83,6 +91,6 @@ class RequestStream:
         # A stream dropped unread still must not leave its request running.
         if not self._done and self._on_consumer_gone is not None:
             try:
-                self._finish(consumer_gone=True)
+                self._finish(consumer_gone=True, dropped=True)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass

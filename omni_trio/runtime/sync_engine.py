@@ -91,8 +91,9 @@ class Engine:
         except trio.RunFinishedError:
             pass
 
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None,
-                       **kwargs: Any) -> Any:
+    def collective_rpc(
+        self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         engine, token = self._target()
         return trio.from_thread.run(
             lambda: engine.collective_rpc(method, *args, timeout=timeout, **kwargs),

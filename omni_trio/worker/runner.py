@@ -33,7 +33,7 @@ StepProgress = MutableMapping[str, tuple[int, int]]
 
 
 def convert_output(raw: Any, output_type: str) -> Any:
-    """Turn one model output (HWC float array in [0, 1], or a latent tensor) into ``output_type``."""
+    """Turn one model output (HWC float array in [0, 1] or a latent tensor) into output_type."""
     import numpy as np
 
     if output_type == "latent":
@@ -119,8 +119,11 @@ class ModelRunner:
         if missing_seed:
             return BatchRunnerOutput.from_list(
                 [
-                    RunnerOutput(rid, error="request reached the runner without a seed",
-                                 error_type="ValueError")
+                    RunnerOutput(
+                        rid,
+                        error="request reached the runner without a seed",
+                        error_type="ValueError",
+                    )
                     for rid in ids
                 ]
             )

@@ -64,7 +64,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.stop_flags = stop_flags or StopFlags()
+        # ``is None``, not ``or``: StopFlags has __len__, so an empty (shared) one is falsy.
+        self.stop_flags = stop_flags if stop_flags is not None else StopFlags()
         self.progress: StepProgress = progress if progress is not None else {}
         self.runner: ModelRunner | None = None
         self.model_info: ModelInfo | None = None

@@ -1,0 +1,72 @@
+"""Test-wide settings and leak checks.
+
+Every test must leave nothing of the runtime behind (INV-3): the autouse fixture below fails a
+test that leaves a Python thread running or a shared-memory segment named ``*omni*`` in
+``/dev/shm``.  Torch is held to one thread so the suite behaves the same on small machines.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch is imported anywhere: one intra-op thread per process.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# A thread the runtime started gets this long to finish exiting after its owner closed.
+_THREAD_JOIN_S = 5.0
+_SHM = Path("/dev/shm")
+
+
+def _torch_one_thread() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _disable_tqdm_monitor() -> None:
+    # tqdm's monitor thread outlives every progress bar; it is not ours and would look leaked.
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:
+        tqdm.tqdm.monitor_interval = 0
+
+
+def _shm_entries() -> set[str]:
+    if not _SHM.is_dir():
+        return set()
+    return {p.name for p in _SHM.iterdir() if "omni" in p.name}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache for the whole session (built-in models materialise here once)."""
+    return tmp_path_factory.mktemp("omni-trio-cache")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    _torch_one_thread()
+    _disable_tqdm_monitor()
+    threads_before = set(threading.enumerate())
+    shm_before = _shm_entries()
+    yield
+    _torch_one_thread()
+    _disable_tqdm_monitor()
+    leaked = [
+        t
+        for t in threading.enumerate()
+        if t not in threads_before and t is not threading.main_thread()
+    ]
+    for thread in leaked:
+        thread.join(_THREAD_JOIN_S)
+    alive = [t.name for t in leaked if t.is_alive()]
+    assert not alive, f"test left threads running: {alive}"
+    new_shm = sorted(_shm_entries() - shm_before)
+    assert not new_shm, f"test left shared-memory segments: {new_shm}"

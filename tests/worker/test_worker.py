@@ -1,0 +1,176 @@
+"""``Worker`` on ``builtin:echo``: device setup, scheduler outputs, the RPC surface, shutdown."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_trio._core.messages import NewRequestData, SchedulerOutput
+from omni_trio._core.request import DiffusionRequest, SamplingParams
+from omni_trio.config import EngineConfig
+from omni_trio.models.echo import EchoModel, decode_echo_image
+from omni_trio.worker.runner import StepProgress
+from omni_trio.worker.stop_flags import StopFlags
+from omni_trio.worker.worker import RPC_METHODS, Worker, resolve_device, resolve_dtype
+from tests.fakes import register_models
+
+
+def request(rid: str, seed: int = 3, steps: int = 3) -> DiffusionRequest:
+    return DiffusionRequest(
+        "p",
+        SamplingParams(height=32, width=32, num_inference_steps=steps, seed=seed),
+        request_id=rid,
+    )
+
+
+def wave(*requests: DiffusionRequest, finished: frozenset[str] = frozenset()) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=1,
+        scheduled_new_reqs=tuple(NewRequestData(r.request_id, r) for r in requests),
+        finished_req_ids=finished,
+    )
+
+
+def config(cache_dir: Path, **overrides: Any) -> EngineConfig:
+    overrides.setdefault("max_num_seqs", 4)
+    overrides.setdefault("torch_threads", 1)
+    return EngineConfig(cache_dir=str(cache_dir), **overrides)
+
+
+@pytest.fixture
+def worker(cache_dir: Path) -> Iterator[Worker]:
+    w = Worker(config(cache_dir))
+    w.init_device()
+    w.load_model()
+    yield w
+    w.shutdown()
+
+
+def test_resolve_device_and_dtype() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device(None).type == expected
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.float16
+    assert resolve_dtype("float32", cpu) is torch.float32
+    assert resolve_dtype("float16", cpu) is torch.float16
+    assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
+
+
+def test_init_device_applies_the_thread_setting(cache_dir: Path) -> None:
+    w = Worker(config(cache_dir, torch_threads=1))
+    w.init_device()
+    assert torch.get_num_threads() == 1
+    assert w.set_torch_threads(1) == 1
+
+
+def test_load_model_returns_info_and_shares_flags_and_progress(cache_dir: Path) -> None:
+    flags = StopFlags()
+    progress: StepProgress = {}
+    w = Worker(config(cache_dir), stop_flags=flags, progress=progress)
+    try:
+        info = w.load_model()
+        assert info.name == "builtin:echo"
+        assert w.model_info == info
+        assert w.runner is not None
+        assert w.runner.stop_flags is flags
+        assert w.runner.progress is progress
+        assert w.runner.device == torch.device("cpu")
+    finally:
+        w.shutdown()
+
+
+def test_execute_scheduler_output_runs_one_request(worker: Worker) -> None:
+    out = worker.execute_scheduler_output(wave(request("solo", seed=11)))
+    result = out.get("solo")
+    assert result is not None and result.images is not None
+    assert decode_echo_image(result.images[0]) == ("solo", 11, 0)
+
+
+def test_execute_scheduler_output_fuses_a_wave_and_keeps_identity(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    calls: list[tuple[str, ...]] = []
+
+    class RecordingEcho(EchoModel):
+        def generate(self, requests: Any, generators: Any, **kw: Any) -> Any:
+            calls.append(tuple(r.request_id for r in requests))
+            return super().generate(requests, generators, **kw)
+
+    register_models(monkeypatch, {"fake:rec": lambda options: RecordingEcho()})
+    w = Worker(config(cache_dir, model="fake:rec"))
+    try:
+        w.load_model()
+        out = w.execute_scheduler_output(wave(request("a", 1), request("b", 2), request("c", 3)))
+    finally:
+        w.shutdown()
+    assert calls == [("a", "b", "c")]  # one fused forward
+    for rid, seed in (("a", 1), ("b", 2), ("c", 3)):
+        result = out.get(rid)
+        assert result is not None and result.images is not None
+        assert decode_echo_image(result.images[0]) == (rid, seed, 0)
+
+
+def test_finished_ids_clear_their_stop_flags_before_the_wave_runs(worker: Worker) -> None:
+    worker.stop_flags.abort(["reused", "other"])
+    out = worker.execute_scheduler_output(wave(request("reused"), finished=frozenset({"reused"})))
+    result = out.get("reused")
+    assert result is not None and result.images is not None and not result.aborted
+    assert worker.stop_flags.is_aborted("other")
+    assert not worker.stop_flags.is_aborted("reused")
+
+
+def test_aborted_request_in_a_wave_comes_back_aborted(worker: Worker) -> None:
+    worker.stop_flags.abort(["gone"])
+    out = worker.execute_scheduler_output(wave(request("gone")))
+    result = out.get("gone")
+    assert result is not None and result.aborted
+
+
+def test_rpc_surface(worker: Worker) -> None:
+    assert worker.execute_method("ping") == {"rank": 0, "pid": os.getpid(), "loaded": True}
+    assert worker.execute_method("describe") == {
+        "rank": 0,
+        "pid": os.getpid(),
+        "device": "cpu",
+        "model": "builtin:echo",
+    }
+    assert worker.execute_method("set_torch_threads", 1) == 1
+    out = worker.execute_method("execute_model", request("via-rpc"))
+    assert out.request_ids == ("via-rpc",)
+    out = worker.execute_method("execute_model_batch", [request("x"), request("y")])
+    assert set(out.request_ids) == {"x", "y"}
+
+
+@pytest.mark.parametrize("method", ["shutdown", "load_model", "__init__", "nope", "_runner"])
+def test_methods_outside_the_rpc_surface_are_refused(worker: Worker, method: str) -> None:
+    assert method not in RPC_METHODS
+    with pytest.raises(AttributeError, match=method):
+        worker.execute_method(method)
+    assert worker.runner is not None  # nothing ran
+
+
+def test_rank_and_world_size_are_reported(cache_dir: Path) -> None:
+    w = Worker(config(cache_dir), rank=3, world_size=4)
+    assert w.ping() == {"rank": 3, "pid": os.getpid(), "loaded": False}
+    assert w.describe()["device"] is None
+    assert w.world_size == 4
+
+
+def test_shutdown_releases_the_runner_and_is_idempotent(worker: Worker) -> None:
+    runner = worker.runner
+    assert runner is not None
+    worker.shutdown()
+    worker.shutdown()
+    assert worker.runner is None
+    assert worker.ping()["loaded"] is False
+    with pytest.raises(RuntimeError, match="no model loaded"):
+        worker.execute_scheduler_output(wave(request("late")))
+    with pytest.raises(RuntimeError, match="not loaded"):
+        runner.execute_model(request("late"))
