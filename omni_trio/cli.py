@@ -719,7 +719,7 @@ def _print_demo_report(run: _DemoRun, out: Path, cell: int) -> None:
     print()
     print(f"{completed}/{len(run.tracked)} completed in {run.wall_s:.2f} s ({rate:.2f} images/s)")
     print()
-    print("engine statistics" + (" (the warmup request included):" if run.warmup else ":"))
+    print("engine statistics (warmup excluded):")
     print(format_statistics(run.stats))
     print()
     print(f"wrote {out} ({grid.width}x{grid.height})")

@@ -375,8 +375,8 @@ def test_demo_echo_writes_a_grid_and_prints_the_table(
         assert str(cli.DEMO_BASE_SEED + i) in row
     assert "queue wait ms" in out and "latency ms" in out
     assert "6/6 completed" in out
-    assert "engine statistics (the warmup request included):" in out
-    assert "admitted 7  completed 7" in out  # 6 prompts + the warmup request
+    assert "engine statistics (warmup excluded):" in out
+    assert "admitted 6  completed 6" in out  # the warmup request is not counted
     assert f"wrote {grid_path}" in out
     assert "\x1b[" not in out  # plain mode: no cursor movement in logs
 
@@ -400,7 +400,7 @@ def test_demo_live_mode_redraws_a_block(
     assert main(argv) == EXIT_OK
     out = capsys.readouterr().out
     assert "\x1b[3F" in out  # moved back up over the 3-line block
-    assert "engine statistics:" in out
+    assert "engine statistics (warmup excluded):" in out
     assert "admitted 3  completed 3" in out
 
 

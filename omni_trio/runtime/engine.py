@@ -41,6 +41,7 @@ from .._core.request import DiffusionRequest, SamplingParams, validate_request
 from .._core.scheduler import RequestScheduler, Scheduler, StepScheduler
 from ..config import EngineConfig
 from ..errors import (
+    DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
@@ -152,6 +153,9 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._dead: BaseException | None = None
         self._admitted = 0
+        # Warmup traffic is nobody's request: it is kept out of the statistics.
+        self._warming = False
+        self._uncounted: set[str] = set()
         self._finished_counts = {s: 0 for s in _S if s.finished}
         self._timings: dict[str, deque[float]] = {
             k: deque(maxlen=_TIMING_WINDOW)
@@ -252,11 +256,14 @@ class AsyncEngine:
 
     def _deliver_terminal(self, state: RequestState, runner: RunnerOutput | None) -> None:
         rid = state.request_id
-        self._finished_counts[state.status] += 1
+        counted = rid not in self._uncounted
+        self._uncounted.discard(rid)
+        if counted:
+            self._finished_counts[state.status] += 1
         images: tuple[Any, ...] = ()
         if state.status is _S.FINISHED_COMPLETED and runner is not None and runner.images:
             images = runner.images
-        metrics = self._metrics(state, runner)
+        metrics = self._metrics(state, runner, counted=counted)
         output = DiffusionOutput(
             request_id=rid,
             status=state.status,
@@ -276,7 +283,9 @@ class AsyncEngine:
             pass
         handle.send.close()
 
-    def _metrics(self, state: RequestState, runner: RunnerOutput | None) -> RequestMetrics:
+    def _metrics(
+        self, state: RequestState, runner: RunnerOutput | None, *, counted: bool = True
+    ) -> RequestMetrics:
         end = state.finished_at if state.finished_at is not None else trio.current_time()
         started = state.first_scheduled_at
         queue_wait = ((started if started is not None else end) - state.queued_at) * 1000.0
@@ -290,7 +299,7 @@ class AsyncEngine:
             postprocess_ms=timings.get("postprocess_ms", 0.0),
             e2e_ms=(end - state.queued_at) * 1000.0,
         )
-        if state.status is _S.FINISHED_COMPLETED:
+        if counted and state.status is _S.FINISHED_COMPLETED:
             self._timings["queue_wait"].append(metrics.queue_wait_ms)
             self._timings["execution"].append(metrics.execution_ms)
             self._timings["postprocess"].append(metrics.postprocess_ms)
@@ -350,23 +359,52 @@ class AsyncEngine:
         self._check_open()
         request = self._make_request(prompt_or_request, params, request_id)
         validate_request(request, self._limits)
-        if request.sampling.seed is None:
-            request = request.replace(
-                sampling=request.sampling.replace(seed=secrets.randbelow(2**31))
-            )
+        request = self._resolve_defaults(request)
         rid = request.request_id
         if rid in self._handles:
-            from ..errors import DuplicateRequestError
-
             raise DuplicateRequestError(rid)
         self.scheduler.add_request(request, trio.current_time())
         send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
         self._handles[rid] = _Handle(request, send)
-        self._admitted += 1
+        if rid == WARMUP_REQUEST_ID and self._warming:
+            self._uncounted.add(rid)
+        else:
+            self._admitted += 1
         self._wake.set()
         return RequestStream(
             rid, request.sampling.seed, receive, self._consumer_gone, self._consumer_dropped
         )
+
+    def _resolve_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
+        """Fill what admission decides: the model's default size and a random seed.
+
+        Resolving the size here means a request that leaves it unset and one that asks for
+        the default explicitly share a compatibility key.  A model that renders one fixed
+        size (unconditional UNets) rejects any other size before admission.
+        """
+        sp = request.sampling
+        changes: dict[str, Any] = {}
+        info = self.executor.model_info
+        if info is not None:
+            if sp.height is None:
+                changes["height"] = info.default_height
+            if sp.width is None:
+                changes["width"] = info.default_width
+            if info.family == "unconditional":
+                size = (changes.get("height", sp.height), changes.get("width", sp.width))
+                if size != (info.default_height, info.default_width):
+                    raise InvalidRequestError(
+                        f"model {info.name} only renders "
+                        f"{info.default_width}x{info.default_height}, not {size[1]}x{size[0]}",
+                        param="size",
+                    )
+        if sp.seed is None:
+            changes["seed"] = secrets.randbelow(2**31)
+        if not changes:
+            return request
+        request = request.replace(sampling=sp.replace(**changes))
+        validate_request(request, self._limits)  # the filled-in size must obey the limits too
+        return request
 
     async def generate(
         self,
@@ -585,15 +623,20 @@ def raise_for_status(output: DiffusionOutput) -> DiffusionOutput:
 
 
 async def _warmup(engine: AsyncEngine) -> None:
+    """Run one small dummy request (2 steps) through the whole path; kept out of statistics."""
     info = engine.executor.model_info
-    size = 64 if info is None else min(64, info.default_height, info.default_width)
-    params = SamplingParams(
-        height=size, width=size, num_inference_steps=2, seed=0, output_type="pil"
-    )
+    size: int | None = 64
+    if info is not None:
+        # Fixed-size models render only their own size; others warm up small.
+        size = None if info.family == "unconditional" else min(64, info.default_height)
+    params = SamplingParams(height=size, width=size, num_inference_steps=2, seed=0)
+    engine._warming = True
     try:
         await engine.generate("warmup", params, request_id=WARMUP_REQUEST_ID)
     except Exception as exc:
         raise RuntimeError(f"engine warmup failed: {exc}") from exc
+    finally:
+        engine._warming = False
 
 
 @asynccontextmanager

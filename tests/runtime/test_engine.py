@@ -1321,3 +1321,44 @@ async def test_close_is_bounded_when_a_forward_hangs(
             assert engine.is_closed
             assert engine.executor.is_dead  # the stall is reported, not hidden
             models[0].release.set()  # let the hung thread finish so nothing leaks
+
+
+async def test_warmup_runs_but_is_not_counted_in_statistics(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, warmup=True) as engine:
+            before = engine.statistics()
+            await engine.generate("counted", params(seed=1))
+            after = engine.statistics()
+    assert (before.admitted, before.finished_completed) == (0, 0)
+    assert (after.admitted, after.finished_completed, after.end_to_end.count) == (1, 1, 1)
+
+
+async def test_default_size_is_resolved_at_admission_so_such_requests_fuse(
+    cache_dir: Path,
+) -> None:
+    # echo's default size is 64x64: an unset size and an explicit 64x64 share one wave.
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, max_num_seqs=2) as engine:
+            unset = engine.stream("a", SamplingParams(num_inference_steps=1, seed=1))
+            explicit = engine.stream(
+                "b", SamplingParams(height=64, width=64, num_inference_steps=1, seed=2)
+            )
+            sched_out = engine.scheduler.schedule(trio.current_time())
+            assert [r.request_id for r in sched_out.scheduled_new_reqs] == [
+                unset.request_id,
+                explicit.request_id,
+            ]
+            engine.abort(unset.request_id, explicit.request_id)
+
+
+async def test_unconditional_model_rejects_other_sizes_before_admission(
+    cache_dir: Path,
+) -> None:
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, model="builtin:tiny-ddim") as engine:
+            with pytest.raises(InvalidRequestError) as info:
+                engine.stream("x", SamplingParams(height=64, width=64))
+            assert info.value.param == "size"
+            assert engine.statistics().admitted == 0
+            out = await engine.generate("x", SamplingParams(num_inference_steps=2, seed=3))
+            assert out.images[0].size == (32, 32)
