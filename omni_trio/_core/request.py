@@ -145,18 +145,20 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
         )
     for name in ("timesteps", "sigmas"):
         seq = getattr(sp, name)
-        if seq is not None and not 1 <= len(seq) <= limits.max_steps:
+        if seq is None:
+            continue
+        # A tuple, so compatibility keys (which include the schedule) stay hashable.
+        if not isinstance(seq, tuple):
+            raise _fail(f"{name} must be a tuple of numbers, not {type(seq).__name__}", name)
+        if not 1 <= len(seq) <= limits.max_steps:
             raise _fail(f"{name} must hold 1..{limits.max_steps} values", name)
+        if not all(
+            not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) for v in seq
+        ):
+            raise _fail(f"{name} must hold finite numbers only", name)
     gs = sp.guidance_scale
-    if (
-        isinstance(gs, bool)
-        or not isinstance(gs, int | float)
-        or not math.isfinite(gs)
-        or gs < 0
-    ):
-        raise _fail(
-            f"guidance_scale must be a finite number >= 0, got {gs!r}", "guidance_scale"
-        )
+    if isinstance(gs, bool) or not isinstance(gs, int | float) or not math.isfinite(gs) or gs < 0:
+        raise _fail(f"guidance_scale must be a finite number >= 0, got {gs!r}", "guidance_scale")
     if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, str):
         raise _fail("negative_prompt must be a string or None", "negative_prompt")
     n = sp.num_outputs_per_prompt

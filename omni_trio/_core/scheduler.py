@@ -87,6 +87,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._queued) or bool(self._running)
 
+    def has_finished_to_report(self) -> bool:
+        """True when the next schedule() output will report finished ids."""
+        return bool(self._finished_pending)
+
     def get_request_state(self, request_id: str) -> RequestState | None:
         return self._states.get(request_id)
 
@@ -214,7 +218,7 @@ class Scheduler:
         return state
 
     def admission_wait(self, now: float) -> float | None:
-        """When to schedule: None means now, a time means re-check then (or when the queue grows)."""
+        """None: schedule now; a time: re-check then (or sooner, when the queue grows)."""
         return None
 
     # -- internals -----------------------------------------------------------------------
@@ -280,10 +284,10 @@ class Scheduler:
         error_type: str | None,
     ) -> None:
         rid = state.request_id
+        transition(state, status)  # first: an illegal move must leave the queues untouched
         if self._running.pop(rid, None) is not None and not self._running:
             self._wave_key = None
         self._queued.discard(id(state))
-        transition(state, status)
         state.finished_at = now
         if status is _S.FINISHED_ERROR:
             state.error = error or "request failed"

@@ -1,0 +1,263 @@
+"""``validate_request``: every rule rejects with ``InvalidRequestError`` naming its ``param``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+
+from omni_trio._core.request import (
+    MAX_REQUEST_ID_LENGTH,
+    OUTPUT_TYPES,
+    DiffusionRequest,
+    RequestLimits,
+    SamplingParams,
+    validate_request,
+)
+from omni_trio.errors import InvalidRequestError
+
+LIMITS = RequestLimits(max_pixels=512 * 512, max_prompt_chars=100, max_steps=50, max_outputs=4)
+
+
+def make_request(
+    request_id: str = "r1", prompt: Any = "a cat", **sampling: Any
+) -> DiffusionRequest:
+    return DiffusionRequest(prompt, SamplingParams(**sampling), request_id=request_id)
+
+
+def assert_rejected(request: DiffusionRequest, param: str, limits: RequestLimits = LIMITS) -> str:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(request, limits)
+    assert info.value.param == param, str(info.value)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def test_sampling_defaults() -> None:
+    sp = SamplingParams()
+    assert sp.height is None and sp.width is None
+    assert sp.num_inference_steps == 20
+    assert sp.seed is None
+    assert sp.output_type == "pil"
+    assert sp.total_steps == 20
+
+
+def test_output_types() -> None:
+    assert OUTPUT_TYPES == ("pil", "np", "pt", "latent")
+
+
+def test_requests_are_frozen_and_replace_copies() -> None:
+    req = make_request(seed=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.prompt = "dog"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.sampling.seed = 1  # type: ignore[misc]
+    seeded = req.replace(sampling=req.sampling.replace(seed=42))
+    assert seeded.sampling.seed == 42
+    assert req.sampling.seed is None
+    assert seeded.request_id == req.request_id
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"num_inference_steps": 7}, 7),
+        ({"num_inference_steps": 7, "sigmas": (1.0, 0.5, 0.0)}, 3),
+        ({"num_inference_steps": 7, "timesteps": (999.0, 500.0)}, 2),
+        ({"num_inference_steps": 7, "timesteps": (999.0,), "sigmas": (1.0, 0.5, 0.0)}, 1),
+    ],
+)
+def test_total_steps_precedence(kwargs: dict[str, Any], expected: int) -> None:
+    assert SamplingParams(**kwargs).total_steps == expected
+
+
+# -- valid requests -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"height": 512, "width": 512},
+        {"height": 8, "width": 8},
+        {"height": 256},
+        {"num_inference_steps": 1},
+        {"num_inference_steps": 50},
+        {"guidance_scale": 0},
+        {"guidance_scale": 0.0},
+        {"guidance_scale": 12},
+        {"negative_prompt": "blurry"},
+        {"num_outputs_per_prompt": 1},
+        {"num_outputs_per_prompt": 4},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"timesteps": (999.0, 500.0, 1.0)},
+        {"sigmas": tuple(float(i) for i in range(50))},
+        {"extra_args": {"flow_shift": 3.0}},
+        *({"output_type": t} for t in OUTPUT_TYPES),
+    ],
+    ids=repr,
+)
+def test_valid_request_passes(kwargs: dict[str, Any]) -> None:
+    assert validate_request(make_request(**kwargs), LIMITS) is None
+
+
+def test_valid_prompts_and_ids() -> None:
+    validate_request(make_request(prompt=""), LIMITS)
+    validate_request(make_request(prompt="x" * 100), LIMITS)
+    validate_request(make_request(request_id="x" * MAX_REQUEST_ID_LENGTH), LIMITS)
+    validate_request(make_request(request_id="chatcmpl-42 / ünïcode ✓"), LIMITS)
+
+
+def test_default_limits_are_used_without_limits() -> None:
+    validate_request(make_request(height=4096, width=4096, num_inference_steps=1000))
+    with pytest.raises(InvalidRequestError):
+        validate_request(make_request(num_inference_steps=1001))
+
+
+# -- request id ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rid",
+    ["", "x" * (MAX_REQUEST_ID_LENGTH + 1), "a\nb", "tab\there", "nul\x00", "bell\x07", None, 5],
+    ids=repr,
+)
+def test_bad_request_id(rid: Any) -> None:
+    assert_rejected(make_request(request_id=rid), "request_id")
+
+
+def test_overlong_id_message_states_lengths() -> None:
+    msg = assert_rejected(make_request(request_id="x" * 300), "request_id")
+    assert "300" in msg and str(MAX_REQUEST_ID_LENGTH) in msg
+
+
+# -- prompt -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", [None, 3, ["a cat"], b"a cat"], ids=repr)
+def test_non_string_prompt(prompt: Any) -> None:
+    assert_rejected(make_request(prompt=prompt), "prompt")
+
+
+def test_overlong_prompt() -> None:
+    msg = assert_rejected(make_request(prompt="x" * 101), "prompt")
+    assert "101" in msg and "100" in msg
+
+
+def test_non_sampling_params() -> None:
+    req = DiffusionRequest("a cat", {"height": 64}, request_id="r1")  # type: ignore[arg-type]
+    assert_rejected(req, "sampling")
+
+
+@pytest.mark.parametrize("negative", [3, ["blurry"]], ids=repr)
+def test_non_string_negative_prompt(negative: Any) -> None:
+    assert_rejected(make_request(negative_prompt=negative), "negative_prompt")
+
+
+# -- size ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", ["height", "width"])
+@pytest.mark.parametrize("value", [0, -8, 512.0, "512", True], ids=repr)
+def test_non_positive_or_non_int_size(dim: str, value: Any) -> None:
+    assert_rejected(make_request(**{dim: value}), dim)
+
+
+@pytest.mark.parametrize("dim", ["height", "width"])
+@pytest.mark.parametrize("value", [1, 7, 12, 513], ids=repr)
+def test_size_not_multiple_of_8(dim: str, value: int) -> None:
+    msg = assert_rejected(make_request(**{dim: value}), dim)
+    assert "multiple of 8" in msg
+
+
+def test_over_max_pixels() -> None:
+    assert_rejected(make_request(height=512, width=520), "size")
+    assert_rejected(make_request(height=1024, width=256 + 8), "size")
+    validate_request(make_request(height=1024, width=256), LIMITS)  # exactly max_pixels
+
+
+# -- steps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [0, -1, 51, 2.0, "20", True, None], ids=repr)
+def test_steps_outside_range(steps: Any) -> None:
+    assert_rejected(make_request(num_inference_steps=steps), "num_inference_steps")
+
+
+@pytest.mark.parametrize("name", ["timesteps", "sigmas"])
+def test_schedule_length_outside_range(name: str) -> None:
+    assert_rejected(make_request(**{name: ()}), name)
+    assert_rejected(make_request(**{name: tuple(float(i) for i in range(51))}), name)
+
+
+@pytest.mark.parametrize("name", ["timesteps", "sigmas"])
+@pytest.mark.parametrize("value", [5, 2.5, "abc", {1.0: 1}, [999.0, 500.0]], ids=repr)
+def test_schedule_must_be_a_sequence(name: str, value: Any) -> None:
+    assert_rejected(make_request(**{name: value}), name)
+
+
+@pytest.mark.parametrize("name", ["timesteps", "sigmas"])
+@pytest.mark.parametrize(
+    "value", [(1.0, math.nan), (math.inf, 0.0), (1.0, "0.5"), (True, 0.0)], ids=repr
+)
+def test_schedule_values_must_be_finite_numbers(name: str, value: Any) -> None:
+    assert_rejected(make_request(**{name: value}), name)
+
+
+def test_schedule_of_ints_and_floats_is_accepted() -> None:
+    validate_request(make_request(timesteps=(999, 500.0)), LIMITS)
+
+
+# -- guidance -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "gs", [-0.1, -1, math.nan, math.inf, -math.inf, "7.5", None, True], ids=repr
+)
+def test_bad_guidance(gs: Any) -> None:
+    assert_rejected(make_request(guidance_scale=gs), "guidance_scale")
+
+
+# -- outputs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, -1, 5, 17, 2.0, True, None], ids=repr)
+def test_num_outputs_outside_range(n: Any) -> None:
+    assert_rejected(make_request(num_outputs_per_prompt=n), "num_outputs_per_prompt")
+
+
+def test_num_outputs_default_limit_is_16() -> None:
+    validate_request(make_request(num_outputs_per_prompt=16))
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(make_request(num_outputs_per_prompt=17))
+    assert info.value.param == "num_outputs_per_prompt"
+
+
+@pytest.mark.parametrize("output_type", ["png", "PIL", "", None], ids=repr)
+def test_unknown_output_type(output_type: Any) -> None:
+    msg = assert_rejected(make_request(output_type=output_type), "output_type")
+    assert "pil, np, pt, latent" in msg
+
+
+# -- seed and extras ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.0, "42", True, False], ids=repr)
+def test_bad_seed(seed: Any) -> None:
+    assert_rejected(make_request(seed=seed), "seed")
+
+
+@pytest.mark.parametrize("extra", [None, [("a", 1)], "x"], ids=repr)
+def test_extra_args_must_be_a_mapping(extra: Any) -> None:
+    assert_rejected(make_request(extra_args=extra), "extra_args")
+
+
+def test_first_failing_rule_is_reported() -> None:
+    # A request wrong in several ways names the first field checked: the id.
+    assert_rejected(make_request(request_id="", height=3, seed=-1), "request_id")

@@ -1,0 +1,933 @@
+"""The schedulers: pure state machines driven with explicit ``now`` values (a fake clock)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omni_trio._core.keys import request_batch_key, step_batch_key
+from omni_trio._core.lifecycle import RequestStatus
+from omni_trio._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
+from omni_trio._core.request import DiffusionRequest, SamplingParams
+from omni_trio._core.scheduler import (
+    MISSING_OUTPUT_ERROR,
+    MISSING_STEP_INDEX_ERROR,
+    NO_RESULT_ERROR,
+    RequestScheduler,
+    Scheduler,
+    StepScheduler,
+)
+from omni_trio.errors import DuplicateRequestError, InvalidTransition
+
+S = RequestStatus
+SchedulerType = type[RequestScheduler] | type[StepScheduler]
+BOTH: list[SchedulerType] = [RequestScheduler, StepScheduler]
+both_modes = pytest.mark.parametrize("cls", BOTH, ids=lambda c: c.mode)
+
+
+def make_request(
+    rid: str,
+    *,
+    height: int = 64,
+    steps: int = 4,
+    condition_key: Any = None,
+    **sampling: Any,
+) -> DiffusionRequest:
+    return DiffusionRequest(
+        f"prompt of {rid}",
+        SamplingParams(height=height, width=64, num_inference_steps=steps, **sampling),
+        request_id=rid,
+        condition_key=condition_key,
+    )
+
+
+def done(rid: str, steps: int = 4) -> RunnerOutput:
+    """An output that completes ``rid`` in either mode (request mode ignores step fields)."""
+    return RunnerOutput(rid, images=(f"image of {rid}",), step_index=steps, finished=True)
+
+
+def step(rid: str, step_index: int, *, finished: bool = False) -> RunnerOutput:
+    return RunnerOutput(rid, step_index=step_index, finished=finished)
+
+
+def batch(*outputs: RunnerOutput) -> BatchRunnerOutput:
+    return BatchRunnerOutput.from_list(outputs)
+
+
+def add_all(sched: Scheduler, *rids: str, now: float = 0.0, **kw: Any) -> None:
+    for rid in rids:
+        sched.add_request(make_request(rid, **kw), now)
+
+
+def new_ids(out: SchedulerOutput) -> list[str]:
+    return [r.request_id for r in out.scheduled_new_reqs]
+
+
+def status(sched: Scheduler, rid: str) -> RequestStatus:
+    state = sched.get_request_state(rid)
+    assert state is not None, rid
+    return state.status
+
+
+# -- construction -------------------------------------------------------------------------
+
+
+@both_modes
+@pytest.mark.parametrize("capacity", [0, -1, 1.5, True, "2"], ids=repr)
+def test_capacity_must_be_a_positive_int(cls: SchedulerType, capacity: Any) -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        cls(capacity)
+
+
+@pytest.mark.parametrize("wait", [-1.0, float("nan"), float("inf")], ids=repr)
+def test_request_batch_max_wait_must_be_finite_and_non_negative(wait: float) -> None:
+    with pytest.raises(ValueError, match="request_batch_max_wait_ms"):
+        RequestScheduler(2, wait)
+
+
+def test_modes_and_keys() -> None:
+    assert RequestScheduler.mode == "request"
+    assert StepScheduler.mode == "step"
+    assert RequestScheduler(2)._key_fn is request_batch_key
+    assert StepScheduler(2)._key_fn is step_batch_key
+
+
+# -- admission ------------------------------------------------------------------------------
+
+
+@both_modes
+def test_add_request_queues_as_waiting(cls: SchedulerType) -> None:
+    sched = cls(2)
+    assert not sched.has_unfinished_requests()
+    state = sched.add_request(make_request("r1"), 3.5)
+    assert state.status is S.WAITING
+    assert state.queued_at == 3.5
+    assert state.first_scheduled_at is None
+    assert sched.get_request_state("r1") is state
+    assert sched.num_waiting == 1
+    assert sched.num_running == 0
+    assert sched.has_unfinished_requests()
+    assert sched.live_request_ids() == ["r1"]
+
+
+@both_modes
+def test_capacity_limits_the_wave(cls: SchedulerType) -> None:
+    sched = cls(3)
+    add_all(sched, "r0", "r1", "r2", "r3", "r4")
+    out = sched.schedule(1.0)
+    assert new_ids(out) == ["r0", "r1", "r2"]
+    assert out.num_running_reqs == 3
+    assert out.num_waiting_reqs == 2
+    assert sched.running_request_ids() == ("r0", "r1", "r2")
+    assert [status(sched, r) for r in ("r0", "r3")] == [S.RUNNING, S.WAITING]
+
+
+@both_modes
+def test_capacity_one_runs_one_at_a_time_in_fifo_order(cls: SchedulerType) -> None:
+    sched = cls(1)
+    add_all(sched, "a", "b", "c")
+    order = []
+    for t in range(3):
+        out = sched.schedule(float(t))
+        assert len(out.scheduled_request_ids) == 1
+        order.extend(out.scheduled_request_ids)
+        sched.update_from_output(out, batch(done(order[-1])), float(t))
+    assert order == ["a", "b", "c"]
+    assert not sched.has_unfinished_requests()
+
+
+@both_modes
+def test_incompatible_head_blocks_later_compatible_requests(cls: SchedulerType) -> None:
+    sched = cls(4)
+    sched.add_request(make_request("a1", height=64), 0.0)
+    sched.add_request(make_request("b1", height=128), 0.0)
+    sched.add_request(make_request("a2", height=64), 0.0)
+    out = sched.schedule(1.0)
+    # a2 matches the running wave but may not jump ahead of b1.
+    assert out.scheduled_request_ids == ("a1",)
+    assert status(sched, "a2") is S.WAITING
+    sched.update_from_output(out, batch(done("a1")), 2.0)
+    out = sched.schedule(3.0)
+    assert new_ids(out) == ["b1"]  # b1 now heads the queue; a2 is incompatible with it
+    sched.update_from_output(out, batch(done("b1")), 4.0)
+    out = sched.schedule(5.0)
+    assert new_ids(out) == ["a2"]
+
+
+@both_modes
+def test_a_wave_holds_only_compatible_requests(cls: SchedulerType) -> None:
+    sched = cls(4)
+    sched.add_request(make_request("a1", guidance_scale=7.5), 0.0)
+    sched.add_request(make_request("a2", guidance_scale=7.5), 0.0)
+    sched.add_request(make_request("b1", guidance_scale=1.0), 0.0)
+    sched.add_request(make_request("a3", guidance_scale=7.5), 0.0)
+    out = sched.schedule(1.0)
+    assert new_ids(out) == ["a1", "a2"]
+    keys = {sched._key_fn(sched.get_request_state(r).request) for r in sched.running_request_ids()}  # type: ignore[union-attr]
+    assert len(keys) == 1
+
+
+@both_modes
+def test_condition_key_separates_waves(cls: SchedulerType) -> None:
+    sched = cls(4)
+    sched.add_request(make_request("a", condition_key="ref-1"), 0.0)
+    sched.add_request(make_request("b", condition_key="ref-2"), 0.0)
+    assert sched.schedule(1.0).scheduled_request_ids == ("a",)
+
+
+def test_request_mode_waves_need_equal_step_counts() -> None:
+    sched = RequestScheduler(4)
+    sched.add_request(make_request("a", steps=4), 0.0)
+    sched.add_request(make_request("b", steps=8), 0.0)
+    assert sched.schedule(1.0).scheduled_request_ids == ("a",)
+
+
+def test_step_mode_batches_different_step_counts() -> None:
+    sched = StepScheduler(4)
+    sched.add_request(make_request("a", steps=4), 0.0)
+    sched.add_request(make_request("b", steps=8), 0.0)
+    sched.add_request(make_request("c", steps=2, timesteps=(999.0, 1.0)), 0.0)
+    assert new_ids(sched.schedule(1.0)) == ["a", "b", "c"]
+
+
+def test_request_mode_admits_no_new_wave_while_one_is_in_flight() -> None:
+    sched = RequestScheduler(4)
+    add_all(sched, "r1")
+    first = sched.schedule(1.0)
+    add_all(sched, "r2", now=1.5)  # compatible, and there is room
+    second = sched.schedule(2.0)
+    assert second.is_empty
+    assert second.num_running_reqs == 1
+    assert second.num_waiting_reqs == 1
+    sched.update_from_output(first, batch(done("r1")), 3.0)
+    assert new_ids(sched.schedule(4.0)) == ["r2"]
+
+
+def test_step_mode_joins_the_running_batch_at_a_step_boundary() -> None:
+    sched = StepScheduler(4)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    sched.update_from_output(out, batch(step("r1", 1)), 1.5)
+    add_all(sched, "r2", now=1.6)
+    out = sched.schedule(2.0)
+    assert new_ids(out) == ["r2"]
+    assert out.scheduled_cached_reqs == ("r1",)
+    assert out.scheduled_request_ids == ("r2", "r1")
+
+
+@both_modes
+def test_step_id_counts_schedule_calls(cls: SchedulerType) -> None:
+    sched = cls(1)
+    assert sched.step_id == 0
+    assert [sched.schedule(float(t)).step_id for t in range(3)] == [1, 2, 3]
+    assert sched.step_id == 3
+
+
+@both_modes
+def test_empty_schedule(cls: SchedulerType) -> None:
+    out = cls(2).schedule(0.0)
+    assert out.is_empty
+    assert out.finished_req_ids == frozenset()
+    assert out.num_running_reqs == 0 and out.num_waiting_reqs == 0
+
+
+# -- duplicate ids ----------------------------------------------------------------------------
+
+
+@both_modes
+def test_duplicate_waiting_id_is_rejected(cls: SchedulerType) -> None:
+    sched = cls(2)
+    first = sched.add_request(make_request("r1"), 0.0)
+    with pytest.raises(DuplicateRequestError) as info:
+        sched.add_request(make_request("r1", height=128), 1.0)
+    assert info.value.request_id == "r1"
+    assert sched.get_request_state("r1") is first
+    assert sched.num_waiting == 1
+
+
+@both_modes
+def test_duplicate_running_id_is_rejected(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    sched.schedule(1.0)
+    with pytest.raises(DuplicateRequestError):
+        sched.add_request(make_request("r1"), 2.0)
+    assert sched.num_waiting == 0
+
+
+@both_modes
+def test_terminal_but_not_popped_id_is_still_a_duplicate(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(done("r1")), 2.0) == ["r1"]
+    with pytest.raises(DuplicateRequestError):
+        sched.add_request(make_request("r1"), 3.0)
+    sched.finish_requests("r1", S.FINISHED_ABORTED, 3.0)  # no effect on a finished id
+    with pytest.raises(DuplicateRequestError):
+        sched.add_request(make_request("r1"), 3.0)
+
+
+@both_modes
+def test_id_can_be_reused_after_pop(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    sched.finish_requests("r1", S.FINISHED_ABORTED, 1.0)
+    old = sched.pop_request_state("r1")
+    assert old is not None and old.status is S.FINISHED_ABORTED
+    again = sched.add_request(make_request("r1"), 2.0)
+    assert again is not old
+    assert again.status is S.WAITING
+    out = sched.schedule(3.0)
+    assert new_ids(out) == ["r1"]
+    assert out.finished_req_ids == {"r1"}  # the first incarnation's terminal report
+
+
+# -- pop --------------------------------------------------------------------------------------
+
+
+@both_modes
+def test_pop_request_state(cls: SchedulerType) -> None:
+    sched = cls(2)
+    assert sched.pop_request_state("ghost") is None
+    add_all(sched, "r1", "r2")
+    with pytest.raises(ValueError, match="WAITING"):
+        sched.pop_request_state("r1")
+    out = sched.schedule(1.0)
+    with pytest.raises(ValueError, match="RUNNING"):
+        sched.pop_request_state("r1")
+    sched.update_from_output(out, batch(done("r1"), done("r2")), 2.0)
+    assert sorted(sched.pending_finished_request_ids()) == ["r1", "r2"]
+    state = sched.pop_request_state("r1")
+    assert state is not None and state.status is S.FINISHED_COMPLETED
+    assert sched.get_request_state("r1") is None
+    assert sched.pop_request_state("r1") is None
+    assert sched.pending_finished_request_ids() == ["r2"]
+
+
+# -- finished reporting -----------------------------------------------------------------------
+
+
+@both_modes
+def test_finished_ids_are_reported_once_in_the_next_schedule(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    assert out.finished_req_ids == frozenset()
+    assert sched.update_from_output(out, batch(done("r1"), done("r2")), 2.0) == ["r1", "r2"]
+    assert sched.schedule(3.0).finished_req_ids == {"r1", "r2"}
+    assert sched.schedule(4.0).finished_req_ids == frozenset()
+
+
+@both_modes
+def test_has_finished_to_report_until_the_next_schedule(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2")
+    assert not sched.has_finished_to_report()
+    sched.finish_requests("r2", S.FINISHED_ABORTED, 1.0)
+    assert sched.has_finished_to_report()
+    out = sched.schedule(2.0)
+    assert not sched.has_finished_to_report()
+    sched.update_from_output(out, batch(done("r1")), 3.0)
+    assert sched.has_finished_to_report()
+    sched.pop_request_state("r1")
+    assert sched.has_finished_to_report()  # popping the state does not cancel the report
+    sched.schedule(4.0)
+    assert not sched.has_finished_to_report()
+
+
+@both_modes
+def test_finished_id_is_reported_even_after_pop(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    sched.finish_requests("r1", S.FINISHED_ABORTED, 1.0)
+    sched.pop_request_state("r1")
+    assert sched.schedule(2.0).finished_req_ids == {"r1"}
+    assert sched.schedule(3.0).finished_req_ids == frozenset()
+
+
+# -- runner outputs -----------------------------------------------------------------------
+
+
+@both_modes
+def test_completed_output(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(done("r1")), 2.5) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_COMPLETED
+    assert state.finished_at == 2.5
+    assert state.error is None and state.error_type is None
+    assert not sched.has_unfinished_requests()
+    assert sched.num_running == 0
+
+
+@both_modes
+def test_missing_runner_output_is_an_error(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(done("r2")), 2.0) == ["r1", "r2"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ERROR
+    assert state.error == MISSING_OUTPUT_ERROR
+    assert "without an output for this request" in state.error
+    assert state.error_type == "MissingOutputError"
+    assert status(sched, "r2") is S.FINISHED_COMPLETED
+
+
+@both_modes
+def test_runner_error_finishes_with_its_text_and_type(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    err = RunnerOutput.from_exception("r1", MemoryError("out of memory"))
+    assert sched.update_from_output(out, batch(err), 2.0) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ERROR
+    assert state.error == "out of memory"
+    assert state.error_type == "MemoryError"
+
+
+@both_modes
+def test_aborted_output_finishes_aborted(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(RunnerOutput("r1", aborted=True)), 2.0) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ABORTED
+    assert state.error == "Request r1 aborted."
+    assert state.error_type == "RequestAbortedError"
+
+
+@both_modes
+def test_outputs_for_unscheduled_ids_are_ignored(cls: SchedulerType) -> None:
+    sched = cls(1)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(done("r1"), done("r2")), 2.0) == ["r1"]
+    assert status(sched, "r2") is S.WAITING
+
+
+def test_request_mode_async_output_id_counts_as_a_result() -> None:
+    sched = RequestScheduler(1)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    result = RunnerOutput("r1", async_output_id="b1/r1")
+    assert sched.update_from_output(out, batch(result), 2.0) == ["r1"]
+    assert status(sched, "r1") is S.FINISHED_COMPLETED
+
+
+def test_request_mode_output_without_result_is_an_error() -> None:
+    sched = RequestScheduler(1)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(RunnerOutput("r1")), 2.0) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ERROR
+    assert state.error == NO_RESULT_ERROR
+    assert state.error_type == "MissingOutputError"
+
+
+def test_request_mode_resolves_the_whole_wave_in_one_update() -> None:
+    sched = RequestScheduler(3)
+    add_all(sched, "ok", "bad", "gone")
+    out = sched.schedule(1.0)
+    outputs = batch(done("ok"), RunnerOutput("bad", error="boom", error_type="ValueError"))
+    assert sched.update_from_output(out, outputs, 2.0) == ["ok", "bad", "gone"]
+    assert sched.num_running == 0
+    assert [status(sched, r) for r in ("ok", "bad", "gone")] == [
+        S.FINISHED_COMPLETED,
+        S.FINISHED_ERROR,
+        S.FINISHED_ERROR,
+    ]
+
+
+# -- finish_requests / abort ----------------------------------------------------------------
+
+
+@both_modes
+def test_abort_waiting_request_is_never_scheduled(cls: SchedulerType) -> None:
+    sched = cls(4)
+    add_all(sched, "r1", "r2", "r3")
+    assert sched.finish_requests(["r2"], S.FINISHED_ABORTED, 1.0) == ["r2"]
+    assert sched.num_waiting == 2
+    assert sched.live_request_ids() == ["r1", "r3"]
+    state = sched.get_request_state("r2")
+    assert state is not None
+    assert state.status is S.FINISHED_ABORTED
+    assert state.finished_at == 1.0
+    assert state.first_scheduled_at is None
+    out = sched.schedule(2.0)
+    assert new_ids(out) == ["r1", "r3"]
+    assert out.finished_req_ids == {"r2"}
+    sched.update_from_output(out, batch(done("r1"), done("r3")), 3.0)
+    assert "r2" not in sched.schedule(4.0).scheduled_request_ids
+
+
+@both_modes
+def test_aborted_head_does_not_block_the_queue(cls: SchedulerType) -> None:
+    sched = cls(2)
+    sched.add_request(make_request("blocker", height=128), 0.0)
+    add_all(sched, "r1", "r2")
+    sched.finish_requests("blocker", S.FINISHED_ABORTED, 0.5)
+    assert new_ids(sched.schedule(1.0)) == ["r1", "r2"]
+
+
+@both_modes
+def test_abort_running_request_ignores_its_late_result(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    assert sched.finish_requests("r1", S.FINISHED_ABORTED, 1.5) == ["r1"]
+    assert sched.running_request_ids() == ("r2",)
+    # The worker finished r1 anyway; that late result must not be delivered.
+    assert sched.update_from_output(out, batch(done("r1"), done("r2")), 2.0) == ["r2"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ABORTED
+    assert state.finished_at == 1.5
+    assert sched.schedule(3.0).finished_req_ids == {"r1", "r2"}
+
+
+@both_modes
+def test_abort_unknown_or_finished_ids_is_ignored(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    assert sched.finish_requests(["ghost"], S.FINISHED_ABORTED, 1.0) == []
+    assert sched.finish_requests(["r1", "r1"], S.FINISHED_ABORTED, 1.0) == ["r1"]
+    assert sched.finish_requests("r1", S.FINISHED_ERROR, 2.0) == []
+    assert status(sched, "r1") is S.FINISHED_ABORTED
+    assert sched.schedule(3.0).finished_req_ids == {"r1"}
+
+
+@both_modes
+def test_finish_requests_needs_a_terminal_status(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    with pytest.raises(ValueError, match="terminal"):
+        sched.finish_requests("r1", S.PREEMPTED, 1.0)
+    assert status(sched, "r1") is S.WAITING
+
+
+@both_modes
+def test_finish_with_error_status_and_messages(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2", "r3")
+    sched.finish_requests("r1", S.FINISHED_ERROR, 1.0)
+    sched.finish_requests(
+        "r2", S.FINISHED_ERROR, 1.0, error="worker died", error_type="WorkerError"
+    )
+    sched.finish_requests("r3", S.FINISHED_ABORTED, 1.0, error="deadline exceeded")
+    s1, s2, s3 = (sched.get_request_state(r) for r in ("r1", "r2", "r3"))
+    assert s1 is not None and s2 is not None and s3 is not None
+    assert (s1.status, s1.error, s1.error_type) == (
+        S.FINISHED_ERROR,
+        "request failed",
+        "RequestFailedError",
+    )
+    assert (s2.error, s2.error_type) == ("worker died", "WorkerError")
+    assert (s3.status, s3.error, s3.error_type) == (
+        S.FINISHED_ABORTED,
+        "deadline exceeded",
+        "RequestAbortedError",
+    )
+
+
+@both_modes
+def test_illegal_finish_raises_and_leaves_the_request_queued(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    with pytest.raises(InvalidTransition) as info:
+        sched.finish_requests("r1", S.FINISHED_COMPLETED, 1.0)
+    assert info.value.start is S.WAITING
+    assert info.value.finish is S.FINISHED_COMPLETED
+    assert status(sched, "r1") is S.WAITING
+    assert sched.num_waiting == 1
+    assert sched.live_request_ids() == ["r1"]
+    out = sched.schedule(2.0)
+    assert new_ids(out) == ["r1"]
+    assert out.finished_req_ids == frozenset()
+
+
+# -- preemption -------------------------------------------------------------------------------
+
+
+@both_modes
+def test_preempt_moves_running_request_to_the_front(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2", "r3")
+    sched.schedule(1.0)
+    assert sched.preempt_request("r2") is True
+    state = sched.get_request_state("r2")
+    assert state is not None
+    assert state.status is S.PREEMPTED
+    assert state.num_preemptions == 1
+    assert sched.running_request_ids() == ("r1",)
+    assert sched.live_request_ids() == ["r1", "r2", "r3"]
+    assert sched.num_waiting == 2
+
+
+@both_modes
+def test_preempt_only_running_requests(cls: SchedulerType) -> None:
+    sched = cls(1)
+    add_all(sched, "r1", "r2")
+    sched.schedule(1.0)
+    assert sched.preempt_request("r2") is False  # waiting
+    assert sched.preempt_request("ghost") is False
+    sched.finish_requests("r1", S.FINISHED_ABORTED, 2.0)
+    assert sched.preempt_request("r1") is False  # finished
+    assert status(sched, "r2") is S.WAITING
+    assert status(sched, "r1") is S.FINISHED_ABORTED
+
+
+def test_request_mode_preempted_request_is_sent_again_whole() -> None:
+    sched = RequestScheduler(2)
+    add_all(sched, "r1", "r2")
+    sched.schedule(1.0)
+    assert sched.preempt_request("r1")
+    assert sched.preempt_request("r2")
+    out = sched.schedule(2.0)
+    # Each preemption pushes to the front, so the last preempted comes back first.
+    assert new_ids(out) == ["r2", "r1"]
+    assert out.scheduled_cached_reqs == ()
+    assert [status(sched, r) for r in ("r1", "r2")] == [S.RUNNING, S.RUNNING]
+    assert sched.get_request_state("r1").history == [  # type: ignore[union-attr]
+        S.WAITING,
+        S.RUNNING,
+        S.PREEMPTED,
+        S.RUNNING,
+    ]
+
+
+def test_step_mode_preempted_request_keeps_progress_and_returns_as_cached() -> None:
+    sched = StepScheduler(2)
+    add_all(sched, "r1", steps=4)
+    out = sched.schedule(1.0)
+    sched.update_from_output(out, batch(step("r1", 2)), 1.5)
+    assert sched.preempt_request("r1")
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.num_computed_steps == 2
+    assert state.sent_to_worker
+    out = sched.schedule(2.0)
+    assert out.scheduled_new_reqs == ()
+    assert out.scheduled_cached_reqs == ("r1",)
+    assert state.status is S.RUNNING
+
+
+def test_step_mode_preempt_with_reset_sends_the_payload_again() -> None:
+    sched = StepScheduler(2)
+    add_all(sched, "r1", steps=4)
+    out = sched.schedule(1.0)
+    sched.update_from_output(out, batch(step("r1", 3)), 1.5)
+    assert sched.preempt_request("r1", reset_progress=True)
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.num_computed_steps == 0
+    assert not state.sent_to_worker
+    out = sched.schedule(2.0)
+    assert new_ids(out) == ["r1"]
+    assert out.scheduled_cached_reqs == ()
+    assert state.sent_to_worker
+
+
+@both_modes
+def test_preempted_request_goes_ahead_of_an_incompatible_head(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "a1")
+    sched.schedule(1.0)
+    sched.add_request(make_request("b1", height=128), 1.5)
+    sched.preempt_request("a1")
+    out = sched.schedule(2.0)
+    assert out.scheduled_request_ids == ("a1",)
+    assert status(sched, "b1") is S.WAITING
+
+
+@both_modes
+def test_preempted_request_can_be_aborted(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1")
+    sched.schedule(1.0)
+    sched.preempt_request("r1")
+    assert sched.finish_requests("r1", S.FINISHED_ABORTED, 2.0) == ["r1"]
+    assert sched.num_waiting == 0
+    assert not sched.has_unfinished_requests()
+    out = sched.schedule(3.0)
+    assert out.is_empty
+    assert out.finished_req_ids == {"r1"}
+
+
+@both_modes
+def test_result_for_a_preempted_request_is_ignored(cls: SchedulerType) -> None:
+    sched = cls(2)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    sched.preempt_request("r1")
+    assert sched.update_from_output(out, batch(done("r1"), done("r2")), 2.0) == ["r2"]
+    assert status(sched, "r1") is S.PREEMPTED
+
+
+# -- step progress ----------------------------------------------------------------------------
+
+
+def test_step_mode_tracks_progress_until_the_runner_says_finished() -> None:
+    sched = StepScheduler(1)
+    add_all(sched, "r1", steps=3)
+    state = sched.get_request_state("r1")
+    assert state is not None and state.total_steps == 3
+    for i in (1, 2, 3):
+        out = sched.schedule(float(i))
+        assert out.scheduled_request_ids == ("r1",)
+        # Step 3 of 3 is done, but only the runner decides that denoising is complete.
+        assert sched.update_from_output(out, batch(step("r1", i)), i + 0.5) == []
+        assert state.num_computed_steps == i
+        assert state.status is S.RUNNING
+    out = sched.schedule(4.0)
+    assert out.scheduled_new_reqs == ()
+    assert out.scheduled_cached_reqs == ("r1",)
+    assert sched.update_from_output(out, batch(step("r1", 3, finished=True)), 4.5) == ["r1"]
+    assert state.status is S.FINISHED_COMPLETED
+    assert state.finished_at == 4.5
+
+
+def test_step_mode_finishes_early_when_the_runner_says_so() -> None:
+    sched = StepScheduler(1)
+    add_all(sched, "r1", steps=10)
+    out = sched.schedule(1.0)
+    assert sched.update_from_output(out, batch(step("r1", 2, finished=True)), 2.0) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_COMPLETED
+    assert state.num_computed_steps == 2
+
+
+def test_step_mode_preview_chunk_keeps_running() -> None:
+    sched = StepScheduler(1)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    preview = RunnerOutput("r1", images=("preview",), step_index=1, finished=False)
+    assert sched.update_from_output(out, batch(preview), 2.0) == []
+    assert status(sched, "r1") is S.RUNNING
+
+
+def test_step_mode_missing_step_index_is_an_error() -> None:
+    sched = StepScheduler(1)
+    add_all(sched, "r1")
+    out = sched.schedule(1.0)
+    bad = RunnerOutput("r1", images=("img",), finished=True)
+    assert sched.update_from_output(out, batch(bad), 2.0) == ["r1"]
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.status is S.FINISHED_ERROR
+    assert state.error == MISSING_STEP_INDEX_ERROR
+    assert state.error_type == "MissingOutputError"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "expected"),
+    [
+        ({"steps": 5}, 5),
+        ({"steps": 5, "sigmas": (1.0, 0.5, 0.0)}, 3),
+        ({"steps": 5, "timesteps": (999.0, 1.0)}, 2),
+        ({"steps": 5, "timesteps": (999.0,), "sigmas": (1.0, 0.5, 0.0)}, 1),
+    ],
+)
+def test_step_mode_total_steps_precedence(sampling: dict[str, Any], expected: int) -> None:
+    state = StepScheduler(1).add_request(make_request("r1", **sampling), 0.0)
+    assert state.total_steps == expected
+
+
+def test_step_mode_rejects_a_request_without_steps() -> None:
+    sched = StepScheduler(1)
+    with pytest.raises(ValueError, match="no denoising steps"):
+        sched.add_request(make_request("r1", timesteps=()), 0.0)
+    assert sched.get_request_state("r1") is None
+    assert sched.num_waiting == 0
+
+
+def test_step_mode_one_error_in_a_mixed_batch_finishes_only_that_request() -> None:
+    sched = StepScheduler(3)
+    add_all(sched, "a", "b", "c", steps=4)
+    out = sched.schedule(1.0)
+    outputs = batch(
+        step("a", 1),
+        RunnerOutput("b", error="NaN latents", error_type="FloatingPointError"),
+        step("c", 1),
+    )
+    assert sched.update_from_output(out, outputs, 2.0) == ["b"]
+    assert sched.running_request_ids() == ("a", "c")
+    state = sched.get_request_state("b")
+    assert state is not None
+    assert (state.status, state.error, state.error_type) == (
+        S.FINISHED_ERROR,
+        "NaN latents",
+        "FloatingPointError",
+    )
+    out = sched.schedule(3.0)
+    assert out.scheduled_cached_reqs == ("a", "c")
+    assert out.finished_req_ids == {"b"}
+
+
+def test_step_mode_freed_capacity_admits_the_next_request() -> None:
+    sched = StepScheduler(2)
+    add_all(sched, "a", "b", "c")
+    out = sched.schedule(1.0)
+    sched.update_from_output(out, batch(step("a", 1, finished=True), step("b", 1)), 2.0)
+    out = sched.schedule(3.0)
+    assert new_ids(out) == ["c"]
+    assert out.scheduled_cached_reqs == ("b",)
+
+
+# -- times ------------------------------------------------------------------------------------
+
+
+@both_modes
+def test_times_are_recorded(cls: SchedulerType) -> None:
+    sched = cls(1)
+    sched.add_request(make_request("r1"), 10.0)
+    sched.add_request(make_request("r2"), 11.0)
+    out = sched.schedule(12.0)
+    sched.preempt_request("r1")
+    out = sched.schedule(13.0)  # r1 again: first_scheduled_at stays
+    sched.update_from_output(out, batch(done("r1")), 14.0)
+    out = sched.schedule(15.0)
+    sched.update_from_output(out, batch(done("r2")), 16.0)
+    s1, s2 = sched.get_request_state("r1"), sched.get_request_state("r2")
+    assert s1 is not None and s2 is not None
+    assert (s1.queued_at, s1.first_scheduled_at, s1.finished_at) == (10.0, 12.0, 14.0)
+    assert (s2.queued_at, s2.first_scheduled_at, s2.finished_at) == (11.0, 15.0, 16.0)
+
+
+# -- admission coalescing (request mode) ------------------------------------------------------
+
+
+def coalescing(capacity: int = 4, wait_ms: float = 250.0) -> RequestScheduler:
+    return RequestScheduler(capacity, wait_ms)
+
+
+def test_stable_window_is_min_of_50ms_and_a_fifth_of_the_wait() -> None:
+    assert coalescing(wait_ms=250.0).stable_window_s == 0.05
+    assert coalescing(wait_ms=1000.0).stable_window_s == 0.05
+    assert coalescing(wait_ms=100.0).stable_window_s == 0.1 / 5
+    assert coalescing(wait_ms=100.0).max_wait_s == 0.1
+
+
+def test_no_wait_when_max_wait_is_zero() -> None:
+    sched = coalescing(wait_ms=0.0)
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) is None
+
+
+def test_no_wait_with_capacity_one() -> None:
+    sched = coalescing(capacity=1)
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) is None
+
+
+def test_no_wait_with_an_empty_queue() -> None:
+    assert coalescing().admission_wait(10.0) is None
+
+
+def test_no_wait_while_something_is_running() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    sched.schedule(10.0)
+    add_all(sched, "r2", now=10.01)
+    assert sched.admission_wait(10.01) is None
+
+
+def test_step_and_base_schedulers_never_wait() -> None:
+    sched = StepScheduler(4)
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) is None
+
+
+def test_wait_ends_on_a_full_wave() -> None:
+    sched = coalescing(capacity=3)
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) == 10.0 + 0.05
+    add_all(sched, "r2", "r3", now=10.01)
+    assert sched.admission_wait(10.01) is None
+
+
+def test_wait_ends_after_the_quiet_window() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) == 10.0 + 0.05
+    assert sched.admission_wait(10.04) == 10.0 + 0.05
+    assert sched.admission_wait(10.0 + 0.05) is None
+
+
+def test_quiet_window_restarts_when_the_queue_grows() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) == 10.0 + 0.05
+    add_all(sched, "r2", now=10.03)
+    assert sched.admission_wait(10.03) == 10.03 + 0.05
+    assert sched.admission_wait(10.0 + 0.05) == 10.03 + 0.05
+    assert sched.admission_wait(10.03 + 0.05) is None
+
+
+def test_short_wait_uses_a_fifth_of_it_as_quiet_window() -> None:
+    sched = coalescing(wait_ms=100.0)
+    add_all(sched, "r1", now=5.0)
+    assert sched.admission_wait(5.0) == 5.0 + 0.1 / 5
+
+
+def test_wait_ends_at_the_deadline_despite_a_steady_trickle() -> None:
+    sched = coalescing(capacity=16)
+    deadline = 10.0 + 0.25
+    for i, t in enumerate([10.0, 10.04, 10.08, 10.12, 10.16, 10.2]):
+        add_all(sched, f"r{i}", now=t)
+        assert sched.admission_wait(t) == t + 0.05
+    add_all(sched, "late", now=10.24)
+    assert sched.admission_wait(10.24) == deadline  # quiet window would end at 10.29
+    assert sched.admission_wait(10.2499) == deadline
+    assert sched.admission_wait(deadline) is None
+
+
+def test_deadline_counts_from_when_the_wait_began() -> None:
+    sched = coalescing(capacity=16, wait_ms=100.0)  # quiet window 20 ms
+    add_all(sched, "r1", now=3.0)
+    assert sched.admission_wait(3.01) == 3.0 + 0.02  # the queue last grew at 3.0
+    add_all(sched, "r2", now=3.1)  # not past a deadline counted from the add (3.0 + 0.1)
+    assert sched.admission_wait(3.1) == 3.01 + 0.1  # deadline: 100 ms after 3.01
+
+
+def test_after_a_wave_a_new_wait_starts_fresh() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) == 10.0 + 0.05
+    assert sched.admission_wait(10.0 + 0.05) is None
+    out = sched.schedule(10.05)
+    sched.update_from_output(out, batch(done("r1")), 11.0)
+    add_all(sched, "r2", now=20.0)
+    assert sched.admission_wait(20.0) == 20.0 + 0.05
+    add_all(sched, "r3", now=20.04)
+    assert sched.admission_wait(20.04) == 20.04 + 0.05  # deadline 20.25 is further away
+
+
+def test_queued_during_a_wave_are_admitted_without_waiting() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    out = sched.schedule(10.1)
+    add_all(sched, "r2", now=10.2)
+    sched.update_from_output(out, batch(done("r1")), 12.0)
+    assert sched.admission_wait(12.0) is None  # r2 has been quiet for far longer than 50 ms
+
+
+def test_aborting_every_waiting_request_ends_the_wait() -> None:
+    sched = coalescing()
+    add_all(sched, "r1", now=10.0)
+    assert sched.admission_wait(10.0) == 10.0 + 0.05
+    sched.finish_requests("r1", S.FINISHED_ABORTED, 10.01)
+    assert sched.admission_wait(10.01) is None

@@ -1,0 +1,240 @@
+"""``EngineConfig`` validation: every bad field raises ``InvalidConfigError`` naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_trio._core.request import RequestLimits
+from omni_trio.config import (
+    BACKENDS,
+    EngineConfig,
+    default_cache_dir,
+    default_torch_threads,
+)
+from omni_trio.errors import InvalidConfigError
+
+
+class _CustomExecutor:
+    """Stands in for an Executor subclass (config only checks that it is a class)."""
+
+
+def test_defaults_are_valid() -> None:
+    cfg = EngineConfig()
+    assert cfg.model == "builtin:echo"
+    assert cfg.backend == "inproc"
+    assert cfg.max_num_seqs == 1
+    assert cfg.request_batch_max_wait_ms == 0.0
+    assert cfg.step_execution is False
+    assert cfg.streaming_output is False
+    assert cfg.rpc_timeout_s is None
+
+
+def test_is_frozen_and_keyword_only() -> None:
+    cfg = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        EngineConfig("builtin:echo")  # type: ignore[misc]
+
+
+BAD_FIELDS: list[tuple[str, Any]] = [
+    ("model", ""),
+    ("model", None),
+    ("model", 3),
+    ("model_options", ["step_delay_s", 1]),
+    ("model_options", None),
+    ("backend", "nope"),
+    ("backend", ""),
+    ("backend", 3),
+    ("backend", None),
+    ("backend", _CustomExecutor()),
+    ("dtype", "float64"),
+    ("dtype", "fp16"),
+    ("dtype", None),
+    ("step_execution", 1),
+    ("step_execution", "yes"),
+    ("streaming_output", 1),
+    ("streaming_output", None),
+    ("warmup", "true"),
+    ("warmup", 0),
+    ("torch_threads", 0),
+    ("torch_threads", -2),
+    ("torch_threads", 1.5),
+    ("torch_threads", True),
+    ("request_batch_max_wait_ms", -1),
+    ("request_batch_max_wait_ms", -0.001),
+    ("request_batch_max_wait_ms", math.nan),
+    ("request_batch_max_wait_ms", math.inf),
+    ("request_batch_max_wait_ms", "5"),
+    ("request_batch_max_wait_ms", None),
+    ("request_batch_max_wait_ms", True),
+    ("rpc_timeout_s", -1.0),
+    ("rpc_timeout_s", math.nan),
+    ("rpc_timeout_s", math.inf),
+    ("rpc_timeout_s", "10"),
+    ("close_timeout_s", -1),
+    ("close_timeout_s", math.inf),
+    ("close_timeout_s", None),
+    ("close_timeout_s", False),
+]
+
+POSITIVE_INT_FIELDS = [
+    "num_workers",
+    "max_num_seqs",
+    "preview_interval",
+    "max_pixels",
+    "max_prompt_chars",
+    "max_steps",
+    "max_outputs_per_prompt",
+]
+for _name in POSITIVE_INT_FIELDS:
+    BAD_FIELDS += [
+        (_name, 0),
+        (_name, -1),
+        (_name, 2.0),
+        (_name, "3"),
+        (_name, True),
+        (_name, None),
+    ]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in BAD_FIELDS])
+def test_bad_field_raises_naming_it(field: str, value: Any) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(**{field: value})
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+
+
+GOOD_FIELDS: list[tuple[str, Any]] = [
+    ("model", "/models/sd-turbo"),
+    ("model", "builtin:tiny-sd"),
+    ("model_options", {"step_delay_s": 0.01}),
+    ("backend", "tractor"),
+    ("backend", "ray"),
+    ("backend", "my_pkg.executors:MyExecutor"),
+    ("backend", _CustomExecutor),
+    ("dtype", "float32"),
+    ("dtype", "float16"),
+    ("dtype", "bfloat16"),
+    ("torch_threads", None),
+    ("torch_threads", 4),
+    ("request_batch_max_wait_ms", 0),
+    ("request_batch_max_wait_ms", 12.5),
+    ("rpc_timeout_s", 0.0),
+    ("rpc_timeout_s", 5),
+    ("close_timeout_s", 0),
+    ("max_num_seqs", 8),
+    ("warmup", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), GOOD_FIELDS, ids=[f"{f}={v!r}" for f, v in GOOD_FIELDS]
+)
+def test_good_field_is_accepted(field: str, value: Any) -> None:
+    cfg = EngineConfig(**{field: value})
+    assert getattr(cfg, field) == value
+
+
+def test_known_backends() -> None:
+    assert BACKENDS == ("inproc", "tractor", "ray")
+    for name in BACKENDS:
+        assert EngineConfig(backend=name).backend == name
+
+
+def test_unknown_backend_message_lists_choices() -> None:
+    with pytest.raises(InvalidConfigError, match="inproc, tractor, ray"):
+        EngineConfig(backend="cuda")
+
+
+def test_streaming_output_turns_step_execution_on() -> None:
+    cfg = EngineConfig(streaming_output=True)
+    assert cfg.streaming_output is True
+    assert cfg.step_execution is True
+
+
+def test_step_execution_alone_does_not_stream() -> None:
+    cfg = EngineConfig(step_execution=True)
+    assert cfg.step_execution is True
+    assert cfg.streaming_output is False
+
+
+def test_streaming_output_via_replace_turns_step_execution_on() -> None:
+    cfg = EngineConfig().replace(streaming_output=True)
+    assert cfg.step_execution is True
+
+
+def test_from_dict_builds_a_config() -> None:
+    cfg = EngineConfig.from_dict({"max_num_seqs": 4, "request_batch_max_wait_ms": 20})
+    assert cfg == EngineConfig(max_num_seqs=4, request_batch_max_wait_ms=20)
+
+
+def test_from_dict_rejects_unknown_fields_naming_the_first_sorted() -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig.from_dict({"max_num_seqs": 2, "zeta": 1, "alpha": 2})
+    assert info.value.field == "alpha"
+    assert "alpha, zeta" in str(info.value)
+
+
+def test_from_dict_validates_values() -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig.from_dict({"max_num_seqs": 0})
+    assert info.value.field == "max_num_seqs"
+
+
+def test_replace_returns_a_new_validated_config() -> None:
+    cfg = EngineConfig()
+    other = cfg.replace(max_num_seqs=3)
+    assert other.max_num_seqs == 3
+    assert cfg.max_num_seqs == 1
+    with pytest.raises(InvalidConfigError) as info:
+        cfg.replace(num_workers=0)
+    assert info.value.field == "num_workers"
+
+
+def test_replace_rejects_unknown_fields() -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig().replace(max_batch_size=4)
+    assert info.value.field == "max_batch_size"
+    assert "max_batch_size" in str(info.value)
+
+
+def test_request_limits_come_from_the_config() -> None:
+    cfg = EngineConfig(max_pixels=4096, max_prompt_chars=7, max_steps=9, max_outputs_per_prompt=2)
+    assert cfg.request_limits == RequestLimits(
+        max_pixels=4096, max_prompt_chars=7, max_steps=9, max_outputs=2
+    )
+
+
+def test_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("OMNI_TRIO_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    assert EngineConfig().resolved_cache_dir == tmp_path / "c"
+
+
+def test_cache_dir_from_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("OMNI_TRIO_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "omni_trio"
+
+
+def test_explicit_cache_dir_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("OMNI_TRIO_CACHE", str(tmp_path / "env"))
+    cfg = EngineConfig(cache_dir=str(tmp_path / "explicit"))
+    assert cfg.resolved_cache_dir == tmp_path / "explicit"
+
+
+def test_torch_threads_divides_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert default_torch_threads(1) == 8
+    assert default_torch_threads(3) == 2
+    assert default_torch_threads(16) == 1
+    assert default_torch_threads(0) == 8
+    assert EngineConfig(num_workers=4).resolved_torch_threads == 2
+    assert EngineConfig(num_workers=4, torch_threads=3).resolved_torch_threads == 3
