@@ -46,9 +46,7 @@ def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
         or not math.isfinite(value)
         or value < 0
     ):
-        raise InvalidConfigError(
-            f"{name} must be a finite number >= 0, got {value!r}", field=name
-        )
+        raise InvalidConfigError(f"{name} must be a finite number >= 0, got {value!r}", field=name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -114,7 +114,11 @@ class WorkerError(OmniTrioError):
     """A worker failed.  The remote error is boxed: its type name, the worker and traceback text."""
 
     def __init__(
-        self, message: str, *, worker: str | int | None = None, error_type: str | None = None,
+        self,
+        message: str,
+        *,
+        worker: str | int | None = None,
+        error_type: str | None = None,
         traceback_text: str | None = None,
     ) -> None:
         where = f"worker {worker}: " if worker is not None else ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -102,10 +102,21 @@ class InprocExecutor(Executor):
 
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         worker = self._usable_worker()
+        return await self._run_forward(worker.execute_scheduler_output, scheduler_output)
+
+    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        worker = self._usable_worker()
+        return await self._run_forward(worker.execute_stepwise, scheduler_output)
+
+    async def _run_forward(
+        self,
+        method: Callable[[SchedulerOutput], BatchRunnerOutput],
+        scheduler_output: SchedulerOutput,
+    ) -> BatchRunnerOutput:
         ids = scheduler_output.scheduled_request_ids
         try:
             return await self._thread.run(
-                functools.partial(worker.execute_scheduler_output, scheduler_output),
+                functools.partial(method, scheduler_output),
                 on_cancel=functools.partial(self.stop_flags.abort, ids),
             )
         except (trio.Cancelled, EngineClosedError):

@@ -5,6 +5,9 @@ knows nothing about scheduling, lifecycles or trio: the runner calls :meth:`Diff
 from a worker thread and stops it early by raising from the step hook (there is no other way in;
 a forward has no checkpoint but the hook).
 
+A model may also run step-wise through :meth:`DiffusionModel.step_adapter` (see
+:mod:`omni_trio.models.step`), which lets requests at different steps share a forward.
+
 Importing this module does not import torch.
 """
 
@@ -19,6 +22,8 @@ from .._core.request import DiffusionRequest
 
 if TYPE_CHECKING:
     import torch
+
+    from .step import StepAdapter
 
 __all__ = [
     "FAMILIES",
@@ -56,6 +61,7 @@ class ModelInfo:
     ``supports_batch``: several requests may share one :meth:`DiffusionModel.generate` call.
     ``default_height``/``default_width`` are used when a request leaves its size ``None``.
     ``text_conditioned``: the output depends on the prompt (and negative prompt).
+    ``supports_steps``: :meth:`DiffusionModel.step_adapter` returns an adapter (step mode).
     """
 
     name: str
@@ -64,6 +70,7 @@ class ModelInfo:
     default_height: int
     default_width: int
     text_conditioned: bool
+    supports_steps: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +177,14 @@ class DiffusionModel(abc.ABC):
         incompatible batch (see :meth:`BatchParams.from_requests`) and
         :class:`~omni_trio.errors.InvalidRequestError` for a request the model cannot serve.
         """
+
+    def step_adapter(self) -> StepAdapter | None:
+        """The adapter that runs this model one step at a time, or ``None`` if it cannot.
+
+        Not ``None`` exactly when ``info.supports_steps``.  The adapter is bound to this model
+        (the same object on every call) and keeps no per-request state of its own.
+        """
+        return None
 
     @abc.abstractmethod
     def to(self, device: torch.device | str) -> None:

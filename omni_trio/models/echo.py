@@ -19,6 +19,9 @@ per request by ``sampling.extra_args["echo_step_delay_s"]`` (the batch sleeps th
 ``extra_args["echo_fail_at_step"] = k`` raises :class:`EchoInjectedError` at step ``k``, right
 after ``on_step(k, total)`` (so ``on_step`` has run ``k + 1`` times); a ``k`` past the last
 step never fires.  The failure ends the whole fused forward, as a real crash would.
+
+Step mode (:class:`EchoStepAdapter`) gives the same outputs; there a failure at step ``k``
+ends only its own request (``step_scheduler`` raises for it alone).
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError
-from .base import BatchParams, DiffusionModel, ModelInfo, ModelOutputType, StepHook
+from .base import (
+    MODEL_OUTPUT_TYPES,
+    BatchParams,
+    DiffusionModel,
+    ModelInfo,
+    ModelOutputType,
+    StepHook,
+)
+from .step import StepAdapter, StepState, check_step_batch, check_step_left
 
 if TYPE_CHECKING:
     import numpy as np
@@ -43,6 +54,7 @@ __all__ = [
     "ECHO_STEP_DELAY_S",
     "EchoInjectedError",
     "EchoModel",
+    "EchoStepAdapter",
     "decode_echo_image",
     "encode_echo_header",
 ]
@@ -144,6 +156,29 @@ def _delay(value: Any, where: str) -> float:
     return float(value)
 
 
+def _request_delay(request: DiffusionRequest) -> float:
+    """``request``'s own step delay (0 when it sets none); ``ValueError`` if malformed."""
+    extra = request.sampling.extra_args
+    if ECHO_STEP_DELAY_S not in extra:
+        return 0.0
+    where = f"extra_args[{ECHO_STEP_DELAY_S!r}] of {request.request_id!r}"
+    return _delay(extra[ECHO_STEP_DELAY_S], where)
+
+
+def _fail_step(request: DiffusionRequest) -> int | None:
+    """The step ``request`` asks to fail at, or ``None``; ``ValueError`` if malformed."""
+    extra = request.sampling.extra_args
+    if ECHO_FAIL_AT_STEP not in extra:
+        return None
+    step = extra[ECHO_FAIL_AT_STEP]
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f"extra_args[{ECHO_FAIL_AT_STEP!r}] of {request.request_id!r} must "
+            f"be an int, got {step!r}"
+        )
+    return step
+
+
 class EchoModel(DiffusionModel):
     """A FAKE, fast pipeline for tests and fuzzing; see the module docstring for its outputs.
 
@@ -167,12 +202,15 @@ class EchoModel(DiffusionModel):
             default_height=64,
             default_width=64,
             text_conditioned=False,
+            supports_steps=True,
         )
         self.step_delay_s = _delay(step_delay_s, "step_delay_s")
         self._sleep = sleep
         self._device: torch.device | str = device
         self._closed = False
+        # Held for generate and every step adapter call.
         self._lock = threading.Lock()
+        self._step_adapter = EchoStepAdapter(self)
 
     @classmethod
     def from_options(
@@ -202,23 +240,13 @@ class EchoModel(DiffusionModel):
     ) -> list[list[Any]]:
         """See :meth:`DiffusionModel.generate`.  Sleeps (blocking) the step delay per step."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("model builtin:echo is closed")
+            self._check_open()
             params = BatchParams.from_requests(requests, generators, self.info, output_type)
-            delay = self.step_delay_s
+            delay = max([self.step_delay_s, *(_request_delay(request) for request in requests)])
             fail_at: list[tuple[int, str]] = []
             for request in requests:
-                extra = request.sampling.extra_args
-                if ECHO_STEP_DELAY_S in extra:
-                    where = f"extra_args[{ECHO_STEP_DELAY_S!r}] of {request.request_id!r}"
-                    delay = max(delay, _delay(extra[ECHO_STEP_DELAY_S], where))
-                if ECHO_FAIL_AT_STEP in extra:
-                    step = extra[ECHO_FAIL_AT_STEP]
-                    if isinstance(step, bool) or not isinstance(step, int):
-                        raise ValueError(
-                            f"extra_args[{ECHO_FAIL_AT_STEP!r}] of {request.request_id!r} must "
-                            f"be an int, got {step!r}"
-                        )
+                step = _fail_step(request)
+                if step is not None:
                     fail_at.append((step, request.request_id))
             total = params.steps
             for step in range(total):
@@ -229,21 +257,20 @@ class EchoModel(DiffusionModel):
                 if delay:
                     self._sleep(delay)
             return [
-                [
-                    self._output(request, generator, index, params, output_type)
-                    for index in range(params.num_outputs)
-                ]
+                self._outputs(request, generator, generator.initial_seed(), params, output_type)
                 for request, generator in zip(requests, generators, strict=True)
             ]
 
-    def _output(
+    def _outputs(
         self,
         request: DiffusionRequest,
         generator: torch.Generator,
-        index: int,
+        seed: int,
         params: BatchParams,
         output_type: ModelOutputType,
-    ) -> Any:
+    ) -> list[Any]:
+        """``request``'s outputs, drawn in order from ``generator``; ``seed`` goes in the
+        header."""
         import torch
 
         if output_type == "np":
@@ -254,15 +281,112 @@ class EchoModel(DiffusionModel):
                 max(1, params.width // LATENT_SCALE),
                 LATENT_CHANNELS,
             )
-        noise = torch.rand(shape, generator=generator, device=generator.device)
-        values = noise.to("cpu", torch.float32).numpy()
-        encode_echo_header(values, request.request_id, generator.initial_seed(), index)
-        if output_type == "np":
-            return values
-        return torch.from_numpy(values).permute(2, 0, 1).contiguous().to(self._device)
+        outputs: list[Any] = []
+        for index in range(params.num_outputs):
+            noise = torch.rand(shape, generator=generator, device=generator.device)
+            values = noise.to("cpu", torch.float32).numpy()
+            encode_echo_header(values, request.request_id, seed, index)
+            if output_type == "np":
+                outputs.append(values)
+            else:
+                outputs.append(
+                    torch.from_numpy(values).permute(2, 0, 1).contiguous().to(self._device)
+                )
+        return outputs
+
+    def step_adapter(self) -> EchoStepAdapter:
+        """See :meth:`DiffusionModel.step_adapter` and :class:`EchoStepAdapter`."""
+        return self._step_adapter
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"model {self.info.name} is closed")
 
     def to(self, device: torch.device | str) -> None:
         self._device = device
 
     def close(self) -> None:
         self._closed = True
+
+
+class EchoStepAdapter(StepAdapter):
+    """Step mode for :class:`EchoModel`: the same outputs as ``generate``, one step at a time.
+
+    ``prepare_encode`` parses the echo ``extra_args`` and remembers the generator's state;
+    ``denoise_step`` sleeps once for the whole batch (the largest delay of the model and its
+    states) and returns ``None`` per state; ``step_scheduler`` raises
+    :class:`EchoInjectedError` at the request's ``echo_fail_at_step`` (for that request only,
+    leaving its ``step_index`` at the failed step); ``post_decode`` draws the outputs from a
+    copy of the remembered generator state, so every decode (previews included) gives exactly
+    what ``generate`` gives for the request, and ``state.generator`` is never advanced.
+    """
+
+    def __init__(self, model: EchoModel) -> None:
+        self._model = model
+
+    def prepare_encode(self, request: DiffusionRequest, generator: torch.Generator) -> StepState:
+        """See :meth:`StepAdapter.prepare_encode`.  ``ValueError`` for malformed echo
+        ``extra_args``; a header too long for the output is only found by ``post_decode``."""
+        with self._model._lock:
+            self._model._check_open()
+            params = BatchParams.from_requests([request], [generator], self._model.info, "np")
+            return StepState(
+                request=request,
+                generator=generator,
+                total_steps=params.steps,
+                extra={
+                    "params": params,
+                    "delay": _request_delay(request),
+                    "fail_at": _fail_step(request),
+                    "seed": generator.initial_seed(),
+                    "rng_state": generator.get_state(),
+                },
+            )
+
+    @staticmethod
+    def _batch_key(state: StepState) -> Mapping[str, Any]:
+        params: BatchParams = state.extra["params"]
+        return {
+            "height": params.height,
+            "width": params.width,
+            "guidance_scale": params.guidance_scale,
+            "num_outputs": params.num_outputs,
+        }
+
+    def denoise_step(self, states: Sequence[StepState]) -> list[Any]:
+        """See :meth:`StepAdapter.denoise_step`.  Sleeps (blocking) the batch's step delay."""
+        with self._model._lock:
+            self._model._check_open()
+            check_step_batch(states, self._batch_key)
+            delay = max([self._model.step_delay_s, *(state.extra["delay"] for state in states)])
+            if delay:
+                self._model._sleep(delay)
+            return [None] * len(states)
+
+    def step_scheduler(self, state: StepState, noise_pred: Any) -> None:
+        """See :meth:`StepAdapter.step_scheduler`."""
+        with self._model._lock:
+            self._model._check_open()
+            check_step_left(state)
+            if state.extra["fail_at"] == state.step_index:
+                raise EchoInjectedError(state.request_id, state.step_index)
+            state.step_index += 1
+
+    def post_decode(self, state: StepState, *, output_type: ModelOutputType) -> list[Any]:
+        """See :meth:`StepAdapter.post_decode`.  ``ValueError`` if the header does not fit."""
+        import torch
+
+        if output_type not in MODEL_OUTPUT_TYPES:
+            raise ValueError(
+                f"output_type must be one of {', '.join(MODEL_OUTPUT_TYPES)}, got {output_type!r}"
+            )
+        with self._model._lock:
+            self._model._check_open()
+            generator = torch.Generator(device=state.generator.device)
+            generator.set_state(state.extra["rng_state"])
+            return self._model._outputs(
+                state.request, generator, state.extra["seed"], state.extra["params"], output_type
+            )
+
+    def release(self, state: StepState) -> None:
+        state.extra.clear()

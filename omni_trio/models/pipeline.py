@@ -14,6 +14,8 @@ Families:
   conditioning image (``StableDiffusionPipeline`` and look-alikes).
 - ``unconditional``: a pipeline of only a ``UNet2DModel`` and a scheduler (``DDIMPipeline``,
   ``DDPMPipeline``); the prompt is ignored and the size is fixed by the UNet.
+
+Step mode (:meth:`DiffusersModel.step_adapter`) lives in :mod:`omni_trio.models.pipeline_step`.
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ if TYPE_CHECKING:
     import torch
 
     from .._core.request import DiffusionRequest
+    from .step import StepAdapter
 
-__all__ = ["DiffusersModel", "detect_family", "unet_step_hook"]
+__all__ = [
+    "DiffusersModel",
+    "check_text2image_schedule",
+    "check_unconditional_params",
+    "detect_family",
+    "unet_step_hook",
+]
 
 _TEXT2IMAGE_PARAMS = frozenset(
     {
@@ -115,6 +124,39 @@ def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
         handle.remove()
 
 
+def check_text2image_schedule(
+    info: ModelInfo, scheduler: Any, params: BatchParams, request_id: str
+) -> None:
+    """Raise :class:`InvalidRequestError` for explicit timesteps/sigmas ``scheduler`` does not
+    take (naming the model, the scheduler class and ``request_id``)."""
+    accepted = inspect.signature(scheduler.set_timesteps).parameters
+    for param, values in (("timesteps", params.timesteps), ("sigmas", params.sigmas)):
+        if values is not None and param not in accepted:
+            raise InvalidRequestError(
+                f"model {info.name}'s scheduler {type(scheduler).__name__} does "
+                f"not take explicit {param} (request {request_id!r})",
+                param=param,
+            )
+
+
+def check_unconditional_params(info: ModelInfo, params: BatchParams, request_id: str) -> None:
+    """Raise :class:`InvalidRequestError` for what an unconditional model cannot do: explicit
+    timesteps or sigmas, or a size other than its own."""
+    if params.timesteps is not None or params.sigmas is not None:
+        raise InvalidRequestError(
+            f"model {info.name} does not take explicit timesteps or sigmas "
+            f"(request {request_id!r})",
+            param="timesteps" if params.timesteps is not None else "sigmas",
+        )
+    size = (info.default_height, info.default_width)
+    if (params.height, params.width) != size:
+        raise InvalidRequestError(
+            f"model {info.name} only renders {size[1]}x{size[0]}, not "
+            f"{params.width}x{params.height} (request {request_id!r})",
+            param="size",
+        )
+
+
 class DiffusersModel(DiffusionModel):
     """A loaded diffusers pipeline of a supported family (see the module docstring)."""
 
@@ -136,6 +178,9 @@ class DiffusersModel(DiffusionModel):
         if text_conditioned:
             scale = int(pipe.vae_scale_factor)
             height, width = height * scale, width * scale
+        from .pipeline_step import make_step_adapter
+
+        adapter = make_step_adapter(self, pipe, family)
         self.info = ModelInfo(
             name=name,
             family=family,
@@ -143,9 +188,12 @@ class DiffusersModel(DiffusionModel):
             default_height=height,
             default_width=width,
             text_conditioned=text_conditioned,
+            supports_steps=adapter is not None,
         )
         self._pipe: Any = pipe
+        # Held for every use of the pipeline: generate, to, and the step adapter's calls.
         self._lock = threading.Lock()
+        self._step_adapter = adapter
 
     @classmethod
     def from_pretrained(
@@ -182,6 +230,15 @@ class DiffusersModel(DiffusionModel):
         if self._pipe is None:
             raise RuntimeError(f"model {self.info.name} is closed")
         return self._pipe
+
+    def step_adapter(self) -> StepAdapter | None:
+        """See :meth:`DiffusionModel.step_adapter`.
+
+        Available for ``StableDiffusionPipeline`` (and subclasses that keep its ``__call__``)
+        without a guidance-embedding UNet, and for ``DDIMPipeline``/``DDPMPipeline``; other
+        pipelines of a supported family run in request mode only.
+        """
+        return self._step_adapter
 
     def generate(
         self,
@@ -224,14 +281,7 @@ class DiffusersModel(DiffusionModel):
         params: BatchParams,
         output_type: ModelOutputType,
     ) -> Callable[[], Any]:
-        for param, values in (("timesteps", params.timesteps), ("sigmas", params.sigmas)):
-            accepted = inspect.signature(pipe.scheduler.set_timesteps).parameters
-            if values is not None and param not in accepted:
-                raise InvalidRequestError(
-                    f"model {self.info.name}'s scheduler {type(pipe.scheduler).__name__} does "
-                    f"not take explicit {param} (request {requests[0].request_id!r})",
-                    param=param,
-                )
+        check_text2image_schedule(self.info, pipe.scheduler, params, requests[0].request_id)
         negatives = [request.sampling.negative_prompt for request in requests]
         kwargs: dict[str, Any] = {
             "prompt": [request.prompt for request in requests],
@@ -268,20 +318,7 @@ class DiffusersModel(DiffusionModel):
         params: BatchParams,
         output_type: ModelOutputType,
     ) -> Callable[[], Any]:
-        first = requests[0]
-        if params.timesteps is not None or params.sigmas is not None:
-            raise InvalidRequestError(
-                f"model {self.info.name} does not take explicit timesteps or sigmas "
-                f"(request {first.request_id!r})",
-                param="timesteps" if params.timesteps is not None else "sigmas",
-            )
-        size = (self.info.default_height, self.info.default_width)
-        if (params.height, params.width) != size:
-            raise InvalidRequestError(
-                f"model {self.info.name} only renders {size[1]}x{size[0]}, not "
-                f"{params.width}x{params.height} (request {first.request_id!r})",
-                param="size",
-            )
+        check_unconditional_params(self.info, params, requests[0].request_id)
 
         def call() -> Any:
             images = pipe(

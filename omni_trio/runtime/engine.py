@@ -16,6 +16,7 @@ interleave with the loop's own use of the scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -116,6 +117,7 @@ class _Handle:
 
     request: DiffusionRequest
     send: trio.MemorySendChannel[DiffusionOutput]
+    chunks_sent: int = 0
 
 
 @dataclass(eq=False)
@@ -143,6 +145,7 @@ class AsyncEngine:
             else RequestScheduler(config.max_num_seqs, config.request_batch_max_wait_ms)
         )
         self._limits = config.request_limits
+        self._step_mode = config.step_execution
         self._handles: dict[str, _Handle] = {}
         self._rpcs: deque[_PendingRpc] = deque()
         self._wake = trio.Event()
@@ -182,6 +185,10 @@ class AsyncEngine:
         scheduler = self.scheduler
         while True:
             while not scheduler.has_unfinished_requests() and not self._rpcs:
+                if self._step_mode and scheduler.has_finished_to_report():
+                    # Let the workers evict step state of requests that ended while idle.
+                    await self._execute(scheduler.schedule(trio.current_time()))
+                    continue
                 self._wake = trio.Event()
                 await self._wake.wait()
             await self._run_rpcs()
@@ -202,6 +209,8 @@ class AsyncEngine:
                 continue
             runner_out = await self._execute(sched_out)
             finished = scheduler.update_from_output(sched_out, runner_out, trio.current_time())
+            if self._step_mode:
+                self._emit_chunks(sched_out, runner_out, set(finished))
             self._emit_finished(finished, runner_out)
             await trio.lowlevel.checkpoint()
 
@@ -244,6 +253,41 @@ class AsyncEngine:
 
     # -- emission ------------------------------------------------------------------------
 
+    def _emit_chunks(
+        self, sched_out: SchedulerOutput, runner_out: BatchRunnerOutput, finished: set[str]
+    ) -> None:
+        """Step mode: deliver the non-terminal chunks (streaming previews) of this tick."""
+        for rid in sched_out.scheduled_request_ids:
+            if rid in finished:
+                continue
+            runner = runner_out.get(rid)
+            handle = self._handles.get(rid)
+            state = self.scheduler.get_request_state(rid)
+            if runner is None or not runner.images or handle is None or state is None:
+                continue
+            if state.status.finished:
+                continue
+            output = DiffusionOutput(
+                request_id=rid,
+                status=state.status,
+                finished=False,
+                images=runner.images,
+                seed=state.request.sampling.seed,
+                chunk_index=handle.chunks_sent,
+                total_chunks=self._expected_chunks(state),
+            )
+            handle.chunks_sent += 1
+            try:
+                handle.send.send_nowait(output)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def _expected_chunks(self, state: RequestState) -> int:
+        """Previews every ``preview_interval`` steps before the last, plus the final output."""
+        if not self.config.streaming_output:
+            return 1
+        return (state.total_steps - 1) // self.config.preview_interval + 1
+
     def _emit_finished(
         self, request_ids: Iterable[str], runner_out: BatchRunnerOutput | None = None
     ) -> None:
@@ -277,6 +321,17 @@ class AsyncEngine:
         handle = self._handles.pop(rid, None)
         if handle is None:
             return  # consumer already gone: the output is dropped, the state is cleaned
+        if handle.chunks_sent or self.config.streaming_output:
+            completed = state.status is _S.FINISHED_COMPLETED
+            output = dataclasses.replace(
+                output,
+                chunk_index=handle.chunks_sent,
+                total_chunks=(
+                    max(self._expected_chunks(state), handle.chunks_sent + 1)
+                    if completed
+                    else handle.chunks_sent + 1
+                ),
+            )
         try:
             handle.send.send_nowait(output)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._core.messages import BatchRunnerOutput, RunnerOutput
+from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
 from ..errors import InvalidConfigError
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..models import DiffusionModel, ModelInfo
+    from .step_runner import StepRunner
 
 __all__ = ["ModelRunner", "StepProgress", "convert_output"]
 
@@ -74,6 +75,7 @@ class ModelRunner:
         self.stop_flags = stop_flags
         self.progress: StepProgress = progress if progress is not None else {}
         self._model: DiffusionModel | None = None
+        self._step_runner: StepRunner | None = None
 
     @property
     def model_info(self) -> ModelInfo:
@@ -99,8 +101,28 @@ class ModelRunner:
                 f"use max_num_seqs=1 (got {self.config.max_num_seqs})",
                 field="max_num_seqs",
             )
+        if self.config.step_execution:
+            adapter = model.step_adapter()
+            if adapter is None:
+                model.close()
+                raise InvalidConfigError(
+                    f"model {model.info.name!r} has no step adapter, so it cannot run with "
+                    "step_execution=True (or streaming_output=True); use request mode",
+                    field="step_execution",
+                )
+            from .step_runner import StepRunner
+
+            self._step_runner = StepRunner(
+                self.config, adapter, self.device, self.stop_flags, self.progress, convert_output
+            )
         self._model = model
         return model.info
+
+    def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Step mode: one denoising step for every scheduled request (see StepRunner)."""
+        if self._step_runner is None:
+            raise RuntimeError("step execution is not enabled for this runner")
+        return self._step_runner.execute(scheduler_output)
 
     def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:
         return self.execute_model_batch([request])
@@ -187,6 +209,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Release the model and its memory; idempotent."""
+        step_runner, self._step_runner = self._step_runner, None
+        if step_runner is not None:
+            step_runner.close()
         model, self._model = self._model, None
         if model is not None:
             model.close()

@@ -108,6 +108,10 @@ class Worker:
             return self.execute_model(requests[0])
         return self.execute_model_batch(requests)
 
+    def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        """Step mode: one denoising step for every scheduled request."""
+        return self._runner().execute_stepwise(scheduler_output)
+
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "loaded": self.runner is not None}
 

@@ -37,3 +37,45 @@ class StepRecorder:
 
 def no_steps(step: int, total: int) -> None:
     pass
+
+
+def step_alone(
+    adapter: Any, req: DiffusionRequest, seed: int, output_type: str = "np"
+) -> list[Any]:
+    """Step ``req`` alone from ``prepare_encode`` to ``post_decode`` (what generate does alone)."""
+    state = adapter.prepare_encode(req, torch.Generator().manual_seed(seed))
+    while not state.denoise_completed:
+        (pred,) = adapter.denoise_step([state])
+        adapter.step_scheduler(state, pred)
+    return list(adapter.post_decode(state, output_type=output_type))
+
+
+def step_continuously(
+    adapter: Any, plan: list[tuple[DiffusionRequest, int, int]], output_type: str = "np"
+) -> dict[str, list[Any]]:
+    """A tiny continuous-batching runner: ``plan`` holds ``(request, seed, join_tick)``.
+
+    Every tick admits the requests whose tick it is, runs ONE fused ``denoise_step`` over all
+    live requests (at different steps) and steps each; finished ones are decoded and leave.
+    """
+    live: dict[str, Any] = {}
+    results: dict[str, list[Any]] = {}
+    tick = 0
+    while len(results) < len(plan):
+        for req, seed, join in plan:
+            if join == tick:
+                live[req.request_id] = adapter.prepare_encode(
+                    req, torch.Generator().manual_seed(seed)
+                )
+        states = list(live.values())
+        if states:
+            preds = adapter.denoise_step(states)
+            assert len(preds) == len(states)
+            for state, pred in zip(states, preds, strict=True):
+                adapter.step_scheduler(state, pred)
+                if state.denoise_completed:
+                    results[state.request_id] = adapter.post_decode(state, output_type=output_type)
+                    adapter.release(live.pop(state.request_id))
+        tick += 1
+        assert tick < 1000, "the plan never finishes"
+    return results

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -155,3 +157,105 @@ def test_closed_model_refuses_work() -> None:
     model.close()
     with pytest.raises(RuntimeError, match="closed"):
         model.generate([request()], generators(0), output_type="np", on_step=no_steps)
+
+
+def step_to_end(adapter: Any, states: list[Any]) -> None:
+    while states:
+        for state, pred in zip(states, adapter.denoise_step(states), strict=True):
+            adapter.step_scheduler(state, pred)
+        states = [state for state in states if not state.denoise_completed]
+
+
+def test_step_mode_outputs_decode_to_their_request() -> None:
+    adapter = EchoModel().step_adapter()
+    states = [
+        adapter.prepare_encode(request("a", num_inference_steps=2), generators(7)[0]),
+        adapter.prepare_encode(
+            request("b", num_inference_steps=4, num_outputs_per_prompt=1), generators(8)[0]
+        ),
+    ]
+    step_to_end(adapter, states)
+    assert [s.step_index for s in states] == [2, 4]
+    for state, expected in zip(states, [("a", 7, 0), ("b", 8, 0)], strict=True):
+        (image,) = adapter.post_decode(state, output_type="np")
+        assert decode_echo_image(image) == expected
+        (latent,) = adapter.post_decode(state, output_type="latent")
+        assert decode_echo_image(latent) == expected
+
+
+def test_step_mode_previews_are_the_final_images_and_spend_no_randomness() -> None:
+    model = EchoModel()
+    adapter = model.step_adapter()
+    req = request("p", num_inference_steps=3, num_outputs_per_prompt=2)
+    (expected,) = model.generate([req], generators(5), output_type="np", on_step=no_steps)
+    generator = generators(5)[0]
+    untouched = generator.get_state()
+    state = adapter.prepare_encode(req, generator)
+    preview = adapter.post_decode(state, output_type="np")
+    step_to_end(adapter, [state])
+    final = adapter.post_decode(state, output_type="np")
+    for a, b, c in zip(preview, final, expected, strict=True):
+        assert np.array_equal(a, b) and np.array_equal(b, c)
+    assert [decode_echo_image(image) for image in final] == [("p", 5, 0), ("p", 5, 1)]
+    assert torch.equal(generator.get_state(), untouched)
+
+
+def test_step_mode_failure_hits_only_its_request() -> None:
+    adapter = EchoModel().step_adapter()
+    ok = adapter.prepare_encode(request("ok", num_inference_steps=4), generators(0)[0])
+    bad = adapter.prepare_encode(
+        request("bad", num_inference_steps=4, extra_args={"echo_fail_at_step": 2}),
+        generators(1)[0],
+    )
+    for _ in range(2):
+        for state, pred in zip([ok, bad], adapter.denoise_step([ok, bad]), strict=True):
+            adapter.step_scheduler(state, pred)
+    preds = adapter.denoise_step([ok, bad])  # the fused call itself does not fail
+    adapter.step_scheduler(ok, preds[0])
+    with pytest.raises(EchoInjectedError) as info:
+        adapter.step_scheduler(bad, preds[1])
+    assert (info.value.request_id, info.value.step) == ("bad", 2)
+    assert bad.step_index == 2  # the failed step did not happen
+    step_to_end(adapter, [ok])
+    (image,) = adapter.post_decode(ok, output_type="np")
+    assert decode_echo_image(image) == ("ok", 0, 0)
+
+
+def test_step_mode_failure_past_the_end_never_fires() -> None:
+    adapter = EchoModel().step_adapter()
+    req = request(num_inference_steps=2, extra_args={"echo_fail_at_step": 2})
+    state = adapter.prepare_encode(req, generators(0)[0])
+    step_to_end(adapter, [state])
+    assert state.denoise_completed
+
+
+def test_step_mode_sleeps_the_largest_delay_once_per_fused_step() -> None:
+    slept: list[float] = []
+    adapter = EchoModel(step_delay_s=0.01, sleep=slept.append).step_adapter()
+    a = adapter.prepare_encode(request("a"), generators(0)[0])
+    b = adapter.prepare_encode(
+        request("b", extra_args={"echo_step_delay_s": 0.5}), generators(1)[0]
+    )
+    adapter.denoise_step([a])
+    adapter.denoise_step([a, b])
+    assert slept == [0.01, 0.5]
+
+
+@pytest.mark.parametrize(
+    "extra", [{"echo_step_delay_s": -1}, {"echo_fail_at_step": "2"}, {"echo_fail_at_step": True}]
+)
+def test_step_mode_rejects_bad_extra_args_at_prepare(extra: dict[str, Any]) -> None:
+    adapter = EchoModel().step_adapter()
+    with pytest.raises(ValueError, match="extra_args"):
+        adapter.prepare_encode(request(extra_args=extra), generators(0)[0])
+
+
+def test_step_mode_rejects_incompatible_states() -> None:
+    adapter = EchoModel().step_adapter()
+    a = adapter.prepare_encode(request("a"), generators(0)[0])
+    b = adapter.prepare_encode(request("b", height=32, width=32), generators(1)[0])
+    c = adapter.prepare_encode(request("c", guidance_scale=2.0), generators(2)[0])
+    with pytest.raises(ValueError, match=r"'a' and 'b'.*height"):
+        adapter.denoise_step([a, b])
+    with pytest.raises(ValueError, match=r"'a' and 'c'.*guidance_scale"):
+        adapter.denoise_step([a, c])

@@ -9,7 +9,9 @@ PUBLIC = {
     "DiffusionModel",
     "EchoInjectedError",
     "ModelInfo",
+    "StepAdapter",
     "StepHook",
+    "StepState",
     "decode_echo_image",
     "load_model",
 }
