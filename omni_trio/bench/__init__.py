@@ -1,0 +1,16 @@
+"""``omni-trio bench <experiment>``: the benchmark harness (issue #7).
+
+Experiments: ``overhead`` (engine vs a direct call of the same loaded model), ``throughput``
+(N requests at a concurrency) and ``scheduler`` (per-tick cost vs queue length).  Each prints a
+table and, with ``--json FILE``, writes the figures with the machine and the command.
+``--quick`` is a smoke run (seconds); its numbers mean nothing.
+
+The CLI registers the subcommand with :func:`add_bench_parser`; ``python -m omni_trio.bench``
+runs the same parser standalone.
+"""
+
+from ._cli import add_bench_parser as add_bench_parser
+from ._cli import configure_parser as configure_parser
+from ._cli import run_bench as run_bench
+
+__all__ = ["add_bench_parser", "configure_parser", "run_bench"]
