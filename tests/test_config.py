@@ -232,9 +232,12 @@ def test_explicit_cache_dir_wins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 def test_torch_threads_divides_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert default_torch_threads(1) == 8
+    # One core is kept for the engine's own process: 7 left for the workers.
+    assert default_torch_threads(1) == 7
     assert default_torch_threads(3) == 2
     assert default_torch_threads(16) == 1
-    assert default_torch_threads(0) == 8
-    assert EngineConfig(num_workers=4).resolved_torch_threads == 2
+    assert default_torch_threads(0) == 7
+    assert EngineConfig(num_workers=4).resolved_torch_threads == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_torch_threads(1) == 1
     assert EngineConfig(num_workers=4, torch_threads=3).resolved_torch_threads == 3
