@@ -81,6 +81,9 @@ class EngineConfig:
     preview_interval: int = 1
 
     warmup: bool = True
+    # Request mode: pack outputs (postprocess, D2H, shared memory) in a background thread
+    # while the next forward runs.  Step mode always packs synchronously.
+    async_output: bool = True
     # Limits applied to every request before admission.
     max_pixels: int = 1024 * 1024
     max_prompt_chars: int = 10_000
@@ -131,7 +134,7 @@ class EngineConfig:
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
                 field="dtype",
             )
-        for name in ("step_execution", "streaming_output", "warmup"):
+        for name in ("step_execution", "streaming_output", "warmup", "async_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool", field=name)
         if self.streaming_output and not self.step_execution:

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from .._core.messages import (
+    AsyncOutput,
+    AsyncOutputKind,
+    BatchRunnerOutput,
+    RunnerOutput,
+    SchedulerOutput,
+)
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
 from ..worker.runner import StepProgress
 from ..worker.stop_flags import StopFlags
 from ..worker.worker import Worker
 from .base import Executor
+from .result_pump import ResultPump, ThreadReplySender, register_async_outputs
 from .worker_thread import WorkerThread
 
 __all__ = ["InprocExecutor"]
@@ -47,6 +55,8 @@ class InprocExecutor(Executor):
         self._thread = WorkerThread("omni-trio-worker-0", stall_timeout_s=config.close_timeout_s)
         self._closed_event = trio.Event()
         self._closing = False
+        self._pump: ResultPump | None = None
+        self._reply: ThreadReplySender | None = None
 
     async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model in the worker thread, report ready, run until cancelled.
@@ -56,12 +66,30 @@ class InprocExecutor(Executor):
         """
         self._thread.start()
         try:
-            worker = Worker(self.config, stop_flags=self.stop_flags, progress=self._progress)
-            self._worker = worker
-            await self._thread.run(worker.init_device)
-            self.model_info = await self._thread.run(worker.load_model)
-            task_status.started(self)
-            await trio.sleep_forever()
+            async with trio.open_nursery() as nursery:
+                worker = Worker(self.config, stop_flags=self.stop_flags, progress=self._progress)
+                self._worker = worker
+                await self._thread.run(worker.init_device)
+                self.model_info = await self._thread.run(worker.load_model)
+                if self.config.async_output and not self.config.step_execution:
+                    # The same COMPUTE_DONE / OUTPUT_READY path as the process backends:
+                    # packer thread -> channel -> result pump.
+                    send, receive = trio.open_memory_channel[AsyncOutput](math.inf)
+                    self._pump = ResultPump(worker=0)
+                    await nursery.start(self._pump.serve, receive)
+                    self._reply = reply = ThreadReplySender(send)
+
+                    def forward_output_ready(message: AsyncOutput) -> None:
+                        # The forward's own return is this backend's COMPUTE_DONE; the pump
+                        # would otherwise take an unclaimed COMPUTE_DONE as "nobody waits".
+                        if message.kind is AsyncOutputKind.OUTPUT_READY:
+                            reply(message)
+
+                    await self._thread.run(
+                        functools.partial(worker.start_output_packer, forward_output_ready)
+                    )
+                task_status.started(self)
+                await trio.sleep_forever()
         finally:
             await self.aclose()
 
@@ -89,6 +117,10 @@ class InprocExecutor(Executor):
                         self.fail(StallError("close", f"worker 0 did not shut down in {budget} s"))
                 if not await self._thread.stop():
                     self.fail(StallError("close", "worker thread did not exit"))
+                if self._pump is not None:
+                    self._pump.fail(EngineClosedError("executor is closed"))
+                if self._reply is not None:
+                    self._reply.close()
             finally:
                 self._progress.clear()
                 self._closed_event.set()
@@ -102,7 +134,20 @@ class InprocExecutor(Executor):
 
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         worker = self._usable_worker()
-        return await self._run_forward(worker.execute_scheduler_output, scheduler_output)
+        result = await self._run_forward(worker.execute_scheduler_output, scheduler_output)
+        if self._pump is not None:
+            register_async_outputs(self._pump, result)
+        return result
+
+    async def wait_output(self, async_output_id: str) -> RunnerOutput:
+        if self._pump is None:
+            raise RuntimeError("async output is off")
+        output: RunnerOutput = await self._pump.wait_output(async_output_id)
+        return output
+
+    def drop_output(self, async_output_id: str) -> None:
+        if self._pump is not None:
+            self._pump.drop(async_output_id)
 
     async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         worker = self._usable_worker()

@@ -669,3 +669,15 @@ class ThreadReplySender:
             self._on_discard(reply.result)
         except Exception:
             log.exception("on_discard failed for an undelivered reply")
+
+
+def register_async_outputs(pump: ResultPump, result: BatchRunnerOutput) -> None:
+    """Register the batch splits announced by a request-mode result: every runner output with
+    an ``async_output_id`` of the form ``{batch_id}/{request_id}``."""
+    batches: dict[str, list[str]] = {}
+    for output in result:
+        if output.async_output_id:
+            batch_id, _, rid = output.async_output_id.partition("/")  # ids may hold "/"
+            batches.setdefault(batch_id, []).append(rid)
+    for batch_id, request_ids in batches.items():
+        pump.register_batch_split(batch_id, request_ids)

@@ -118,6 +118,8 @@ class _Handle:
     request: DiffusionRequest
     send: trio.MemorySendChannel[DiffusionOutput]
     chunks_sent: int = 0
+    # The total_chunks every preview of this stream announces; fixed at the first preview.
+    total_chunks: int | None = None
 
 
 @dataclass(eq=False)
@@ -151,6 +153,7 @@ class AsyncEngine:
         self._wake = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop_scope: trio.CancelScope | None = None
+        self._deliveries: trio.Nursery | None = None
         self._loop_done = trio.Event()
         self._closed = False
         self._close_done = trio.Event()
@@ -173,8 +176,12 @@ class AsyncEngine:
         try:
             with trio.CancelScope() as scope:
                 self._loop_scope = scope
-                task_status.started()
-                await self._run_loop()
+                async with trio.open_nursery() as nursery:
+                    # Tasks that wait for async outputs (packed after their forward) live
+                    # here, so cancelling the loop cancels them too.
+                    self._deliveries = nursery
+                    task_status.started()
+                    await self._run_loop()
         except Exception as exc:  # a scheduler bug or a dead executor
             log.exception("engine loop failed")
             self._die(exc)
@@ -256,7 +263,11 @@ class AsyncEngine:
     def _emit_chunks(
         self, sched_out: SchedulerOutput, runner_out: BatchRunnerOutput, finished: set[str]
     ) -> None:
-        """Step mode: deliver the non-terminal chunks (streaming previews) of this tick."""
+        """Step mode: deliver the non-terminal chunks (streaming previews) of this tick.
+
+        A preview goes only to the request that was scheduled: if its id was aborted and
+        re-admitted while the tick ran, the new incarnation (still WAITING) gets nothing.
+        """
         for rid in sched_out.scheduled_request_ids:
             if rid in finished:
                 continue
@@ -265,8 +276,12 @@ class AsyncEngine:
             state = self.scheduler.get_request_state(rid)
             if runner is None or not runner.images or handle is None or state is None:
                 continue
-            if state.status.finished:
-                continue
+            if state.status not in (_S.RUNNING, _S.PREEMPTED):
+                continue  # finished, or a new incarnation of a reused id
+            if handle.total_chunks is None:
+                handle.total_chunks = self._expected_chunks(state)
+            # A preview is never the last chunk.
+            handle.total_chunks = max(handle.total_chunks, handle.chunks_sent + 2)
             output = DiffusionOutput(
                 request_id=rid,
                 status=state.status,
@@ -274,7 +289,7 @@ class AsyncEngine:
                 images=runner.images,
                 seed=state.request.sampling.seed,
                 chunk_index=handle.chunks_sent,
-                total_chunks=self._expected_chunks(state),
+                total_chunks=handle.total_chunks,
             )
             handle.chunks_sent += 1
             try:
@@ -283,10 +298,17 @@ class AsyncEngine:
                 pass
 
     def _expected_chunks(self, state: RequestState) -> int:
-        """Previews every ``preview_interval`` steps before the last, plus the final output."""
+        """Previews every ``preview_interval`` steps before the last, plus the final output.
+
+        The step count is the one the worker runs (its progress report) when it has one: a
+        model may run fewer steps than ``SamplingParams.total_steps`` says (Euler given
+        explicit sigmas).
+        """
         if not self.config.streaming_output:
             return 1
-        return (state.total_steps - 1) // self.config.preview_interval + 1
+        progress = self.executor.progress(state.request_id)
+        total = progress[1] if progress is not None else state.total_steps
+        return (max(total, 1) - 1) // self.config.preview_interval + 1
 
     def _emit_finished(
         self, request_ids: Iterable[str], runner_out: BatchRunnerOutput | None = None
@@ -300,17 +322,57 @@ class AsyncEngine:
 
     def _deliver_terminal(self, state: RequestState, runner: RunnerOutput | None) -> None:
         rid = state.request_id
+        if (
+            state.status is _S.FINISHED_COMPLETED
+            and runner is not None
+            and runner.async_output_id
+            and runner.images is None
+        ):
+            # Compute is done; the payload is still being packed.  Deliver when it is ready.
+            if rid not in self._handles or self._deliveries is None:
+                self.executor.drop_output(runner.async_output_id)
+                self._uncounted.discard(rid)
+                return
+            self._deliveries.start_soon(self._deliver_when_packed, state, runner)
+            return
+        self._deliver_output(state, runner, state.status)
+
+    async def _deliver_when_packed(self, state: RequestState, announced: RunnerOutput) -> None:
+        """Wait for an async output, then deliver the terminal output.  A packing failure or
+        an output that never comes (StallError) ends the request with an error."""
+        key = announced.async_output_id
+        assert key is not None
+        try:
+            packed = await self.executor.wait_output(key)
+        except trio.Cancelled:
+            self.executor.drop_output(key)
+            raise
+        except Exception as exc:
+            packed = RunnerOutput.from_exception(state.request_id, exc)
+        timings = {**announced.timings, **packed.timings}
+        packed = dataclasses.replace(packed, timings=timings)
+        if packed.error is not None or packed.images is None:
+            state.error = packed.error or "async output carried no images"
+            state.error_type = packed.error_type or "MissingOutputError"
+            self._deliver_output(state, packed, _S.FINISHED_ERROR)
+        else:
+            self._deliver_output(state, packed, _S.FINISHED_COMPLETED)
+
+    def _deliver_output(
+        self, state: RequestState, runner: RunnerOutput | None, status: RequestStatus
+    ) -> None:
+        rid = state.request_id
         counted = rid not in self._uncounted
         self._uncounted.discard(rid)
         if counted:
-            self._finished_counts[state.status] += 1
+            self._finished_counts[status] += 1
         images: tuple[Any, ...] = ()
-        if state.status is _S.FINISHED_COMPLETED and runner is not None and runner.images:
+        if status is _S.FINISHED_COMPLETED and runner is not None and runner.images:
             images = runner.images
-        metrics = self._metrics(state, runner, counted=counted)
+        metrics = self._metrics(state, runner, status, counted=counted)
         output = DiffusionOutput(
             request_id=rid,
-            status=state.status,
+            status=status,
             finished=True,
             images=images,
             error=state.error,
@@ -321,16 +383,11 @@ class AsyncEngine:
         handle = self._handles.pop(rid, None)
         if handle is None:
             return  # consumer already gone: the output is dropped, the state is cleaned
-        if handle.chunks_sent or self.config.streaming_output:
-            completed = state.status is _S.FINISHED_COMPLETED
+        if handle.chunks_sent:
+            # The terminal output is always the last chunk.  For a completed request this is
+            # what its previews announced; an aborted or failed one ends early.
             output = dataclasses.replace(
-                output,
-                chunk_index=handle.chunks_sent,
-                total_chunks=(
-                    max(self._expected_chunks(state), handle.chunks_sent + 1)
-                    if completed
-                    else handle.chunks_sent + 1
-                ),
+                output, chunk_index=handle.chunks_sent, total_chunks=handle.chunks_sent + 1
             )
         try:
             handle.send.send_nowait(output)
@@ -339,9 +396,19 @@ class AsyncEngine:
         handle.send.close()
 
     def _metrics(
-        self, state: RequestState, runner: RunnerOutput | None, *, counted: bool = True
+        self,
+        state: RequestState,
+        runner: RunnerOutput | None,
+        status: RequestStatus,
+        *,
+        counted: bool = True,
     ) -> RequestMetrics:
-        end = state.finished_at if state.finished_at is not None else trio.current_time()
+        # An async output is delivered after the scheduler finished the request: end now.
+        end = (
+            trio.current_time()
+            if state.finished_at is None
+            else max(state.finished_at, trio.current_time())
+        )
         started = state.first_scheduled_at
         queue_wait = ((started if started is not None else end) - state.queued_at) * 1000.0
         timings = runner.timings if runner is not None else {}
@@ -354,7 +421,7 @@ class AsyncEngine:
             postprocess_ms=timings.get("postprocess_ms", 0.0),
             e2e_ms=(end - state.queued_at) * 1000.0,
         )
-        if counted and state.status is _S.FINISHED_COMPLETED:
+        if counted and status is _S.FINISHED_COMPLETED:
             self._timings["queue_wait"].append(metrics.queue_wait_ms)
             self._timings["execution"].append(metrics.execution_ms)
             self._timings["postprocess"].append(metrics.postprocess_ms)
@@ -619,8 +686,24 @@ class AsyncEngine:
             live, status, trio.current_time(), error=message, error_type=error_type
         )
         self._emit_finished(finished)
-        for rid in list(self._handles):  # defensive: no stream is ever left open
-            self._handles.pop(rid).send.close()
+        # Streams still open here wait for an async output: they end with this error too.
+        for rid in list(self._handles):
+            handle = self._handles.pop(rid)
+            try:
+                handle.send.send_nowait(
+                    DiffusionOutput(
+                        request_id=rid,
+                        status=status,
+                        error=message,
+                        error_type=error_type,
+                        seed=handle.request.sampling.seed,
+                        chunk_index=handle.chunks_sent,
+                        total_chunks=handle.chunks_sent + 1,
+                    )
+                )
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            handle.send.close()
         for rpc in self._rpcs:
             rpc.error = (
                 EngineClosedError(message)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._core.messages import AsyncOutput, AsyncOutputKind, BatchRunnerOutput
+from .._core.messages import AsyncOutput, AsyncOutputKind
 from ..errors import EngineClosedError
 
 __all__ = ["OutputPacker", "ReadyEvent", "record_ready_event"]
@@ -56,10 +56,10 @@ def record_ready_event(device: Any) -> ReadyEvent | None:
     return event
 
 
-_Job = tuple[str, BatchRunnerOutput, "ReadyEvent | None"]
+_Job = tuple[str, Any, "ReadyEvent | None"]
 
 
-def _identity(output: BatchRunnerOutput) -> Any:
+def _identity(output: Any) -> Any:
     return output
 
 
@@ -68,7 +68,8 @@ class OutputPacker:
 
     ``reply`` is the worker's reply transport (called from the submitting thread for
     ``COMPUTE_DONE`` and from the packer thread for ``OUTPUT_READY``, never concurrently).
-    ``pack(output)`` turns a :class:`BatchRunnerOutput` into the payload sent with
+    ``pack(output)`` turns the submitted output (e.g. a runner's forwarded batch) into the
+    payload sent with
     ``OUTPUT_READY`` (identity by default); it runs in the packer thread.  On CUDA it should
     copy on a side stream of its own (``with torch.cuda.stream(side):``) so it does not queue
     behind the next forward on the default stream.  If ``reply`` raises for an
@@ -79,7 +80,7 @@ class OutputPacker:
     def __init__(
         self,
         reply: Callable[[AsyncOutput], None],
-        pack: Callable[[BatchRunnerOutput], Any] | None = None,
+        pack: Callable[[Any], Any] | None = None,
         *,
         name: str = "omni-trio-output-packer",
         new_id: Callable[[], str] | None = None,
@@ -117,7 +118,7 @@ class OutputPacker:
     def submit(
         self,
         rpc_id: str | None,
-        output: BatchRunnerOutput,
+        output: Any,
         *,
         ready_event: ReadyEvent | None = None,
     ) -> str:
@@ -204,7 +205,7 @@ class OutputPacker:
                     self._pending -= 1
                     self._state.notify_all()
 
-    def _finish(self, output_id: str, output: BatchRunnerOutput, ready: ReadyEvent | None) -> None:
+    def _finish(self, output_id: str, output: Any, ready: ReadyEvent | None) -> None:
         try:
             if ready is not None:
                 ready.synchronize()

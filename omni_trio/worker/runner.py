@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ..models import DiffusionModel, ModelInfo
     from .step_runner import StepRunner
 
-__all__ = ["ModelRunner", "StepProgress", "convert_output"]
+__all__ = ["ForwardedBatch", "ModelRunner", "StepProgress", "convert_output"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,22 @@ def convert_output(raw: Any, output_type: str) -> Any:
     return Image.fromarray(pixels)
 
 
+def _all(ids: Sequence[str], **fields: Any) -> BatchRunnerOutput:
+    return BatchRunnerOutput.from_list([RunnerOutput(rid, **fields) for rid in ids])
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardedBatch:
+    """Raw outputs of a finished forward, per request, waiting to be packed."""
+
+    items: tuple[tuple[DiffusionRequest, Sequence[Any]], ...] = ()
+    forward_ms: float = 0.0
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(request.request_id for request, _ in self.items)
+
+
 class ModelRunner:
     """Owns the loaded model and runs request-mode forwards.
 
@@ -76,6 +93,8 @@ class ModelRunner:
         self.progress: StepProgress = progress if progress is not None else {}
         self._model: DiffusionModel | None = None
         self._step_runner: StepRunner | None = None
+        # Denoising steps started so far, over every forward (read by liveness checks).
+        self.steps_done = 0
 
     @property
     def model_info(self) -> ModelInfo:
@@ -122,13 +141,28 @@ class ModelRunner:
         """Step mode: one denoising step for every scheduled request (see StepRunner)."""
         if self._step_runner is None:
             raise RuntimeError("step execution is not enabled for this runner")
+        self.steps_done += 1
         return self._step_runner.execute(scheduler_output)
 
     def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:
         return self.execute_model_batch([request])
 
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchRunnerOutput:
-        """Run one fused forward for a compatible wave; one output per request, keyed by id."""
+        """Run one fused forward for a compatible wave and pack its outputs, synchronously;
+        one output per request, keyed by id."""
+        done, forwarded = self.forward_batch(requests)
+        packed = self.pack_outputs(forwarded)
+        return BatchRunnerOutput({**done.outputs, **packed.outputs})
+
+    def forward_batch(
+        self, requests: Sequence[DiffusionRequest]
+    ) -> tuple[BatchRunnerOutput, ForwardedBatch]:
+        """The device half of a request-mode forward.
+
+        Returns the requests that already ended (aborted, failed) as runner outputs, and the
+        raw outputs of the others still to be packed (:meth:`pack_outputs`), possibly in the
+        output packer's thread while the next forward runs.
+        """
         import torch
 
         if self._model is None:
@@ -136,19 +170,11 @@ class ModelRunner:
         model = self._model
         ids = [r.request_id for r in requests]
         if self.stop_flags.should_stop(ids):
-            return BatchRunnerOutput.from_list([RunnerOutput(rid, aborted=True) for rid in ids])
-        missing_seed = [r.request_id for r in requests if r.sampling.seed is None]
-        if missing_seed:
-            return BatchRunnerOutput.from_list(
-                [
-                    RunnerOutput(
-                        rid,
-                        error="request reached the runner without a seed",
-                        error_type="ValueError",
-                    )
-                    for rid in ids
-                ]
-            )
+            return _all(ids, aborted=True), ForwardedBatch()
+        if any(r.sampling.seed is None for r in requests):
+            return _all(
+                ids, error="request reached the runner without a seed", error_type="ValueError"
+            ), ForwardedBatch()
         gen_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         generators = [
             torch.Generator(device=gen_device).manual_seed(int(r.sampling.seed))  # type: ignore[arg-type]
@@ -161,6 +187,7 @@ class ModelRunner:
         def on_step(step: int, total: int) -> None:
             if flags.should_stop(ids):
                 raise ForwardStopped(ids, step)
+            self.steps_done += 1
             for rid in ids:
                 progress[rid] = (step, total)
 
@@ -178,30 +205,40 @@ class ModelRunner:
                     f"model returned {len(raw)} outputs for {len(requests)} requests"
                 )
         except ForwardStopped:
-            return BatchRunnerOutput.from_list([RunnerOutput(rid, aborted=True) for rid in ids])
+            return _all(ids, aborted=True), ForwardedBatch()
         except Exception as exc:  # a request failure, not a runner failure
             log.debug("forward of %s failed", ids, exc_info=True)
             return BatchRunnerOutput.from_list(
                 [RunnerOutput.from_exception(rid, exc) for rid in ids]
-            )
+            ), ForwardedBatch()
         finally:
             for rid in ids:
                 progress.pop(rid, None)
         forward_ms = (time.perf_counter() - started) * 1000.0
-        outputs = []
+        done: list[RunnerOutput] = []
+        items: list[tuple[DiffusionRequest, Sequence[Any]]] = []
         for request, images in zip(requests, raw, strict=True):
+            if flags.is_aborted(request.request_id):
+                done.append(RunnerOutput(request.request_id, aborted=True))
+            else:
+                items.append((request, images))
+        return BatchRunnerOutput.from_list(done), ForwardedBatch(tuple(items), forward_ms)
+
+    def pack_outputs(self, batch: ForwardedBatch) -> BatchRunnerOutput:
+        """The host half: convert raw outputs to each request's output type.  Thread-safe
+        (it touches no runner state), so the output packer may run it in its own thread."""
+        outputs = []
+        for request, images in batch.items:
             rid = request.request_id
-            if flags.is_aborted(rid):
-                outputs.append(RunnerOutput(rid, aborted=True))
-                continue
             post_started = time.perf_counter()
             try:
+                output_type = request.sampling.output_type
                 converted = tuple(convert_output(img, output_type) for img in images)
             except Exception as exc:
                 outputs.append(RunnerOutput.from_exception(rid, exc))
                 continue
             timings: Mapping[str, float] = {
-                "forward_ms": forward_ms,
+                "forward_ms": batch.forward_ms,
                 "postprocess_ms": (time.perf_counter() - post_started) * 1000.0,
             }
             outputs.append(RunnerOutput(rid, images=converted, timings=timings))

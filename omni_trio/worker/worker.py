@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
+from .output_packer import OutputPacker, record_ready_event
 from .runner import ModelRunner, StepProgress
 from .stop_flags import StopFlags
 
@@ -29,7 +30,16 @@ log = logging.getLogger(__name__)
 
 # Methods callable through collective_rpc.  Anything else is refused.
 RPC_METHODS = frozenset(
-    {"ping", "describe", "execute_model", "execute_model_batch", "set_torch_threads"}
+    {
+        "ping",
+        "describe",
+        "execute_model",
+        "execute_model_batch",
+        "execute_scheduler_output",
+        "execute_stepwise",
+        "drain_outputs",
+        "set_torch_threads",
+    }
 )
 
 
@@ -68,6 +78,7 @@ class Worker:
         self.stop_flags = stop_flags if stop_flags is not None else StopFlags()
         self.progress: StepProgress = progress if progress is not None else {}
         self.runner: ModelRunner | None = None
+        self.packer: OutputPacker | None = None
         self.model_info: ModelInfo | None = None
 
     def init_device(self) -> None:
@@ -89,6 +100,11 @@ class Worker:
         self.runner = runner
         return self.model_info
 
+    @property
+    def steps_done(self) -> int:
+        """Denoising steps run so far (for progress-aware liveness checks)."""
+        return self.runner.steps_done if self.runner is not None else 0
+
     def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError(f"worker {self.rank} has no model loaded")
@@ -100,13 +116,58 @@ class Worker:
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchRunnerOutput:
         return self._runner().execute_model_batch(requests)
 
-    def execute_scheduler_output(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        """Request mode: run the wave's new requests (one, or one fused batch)."""
+    @property
+    def is_output_rank(self) -> bool:
+        return self.rank == 0
+
+    def start_output_packer(self, reply: Callable[[AsyncOutput], None]) -> None:
+        """Turn on async output: packing leaves the forward path (output rank only).
+
+        From now on a request-mode forward answers at once with ``async_output_id``s
+        (``{batch_id}/{request_id}``) and the packer thread sends COMPUTE_DONE, then
+        OUTPUT_READY with the packed :class:`BatchRunnerOutput`, through ``reply``.
+        """
+        if not self.is_output_rank or self.packer is not None:
+            return
+        self.packer = OutputPacker(
+            reply, self._runner().pack_outputs, name=f"omni-trio-packer-{self.rank}"
+        )
+
+    def execute_scheduler_output(
+        self, scheduler_output: SchedulerOutput, rpc_id: str = ""
+    ) -> BatchRunnerOutput:
+        """Request mode: run the wave's new requests in one forward (fused when several).
+
+        With the output packer on, successful requests come back as ``async_output_id``s
+        and their images follow as OUTPUT_READY; ranks other than the output rank report
+        only what ended early (their results are never shipped).
+        """
+        runner = self._runner()
         self.stop_flags.forget(scheduler_output.finished_req_ids)
         requests = [r.request for r in scheduler_output.scheduled_new_reqs]
-        if len(requests) == 1:
-            return self.execute_model(requests[0])
-        return self.execute_model_batch(requests)
+        done, forwarded = runner.forward_batch(requests)
+        if not forwarded.items:
+            return done
+        if not self.is_output_rank:
+            return done
+        if self.packer is None:
+            return BatchRunnerOutput({**done.outputs, **runner.pack_outputs(forwarded).outputs})
+        batch_id = self.packer.submit(
+            rpc_id, forwarded, ready_event=record_ready_event(runner.device)
+        )
+        pending = {
+            rid: RunnerOutput(
+                rid,
+                async_output_id=f"{batch_id}/{rid}",
+                timings={"forward_ms": forwarded.forward_ms},
+            )
+            for rid in forwarded.request_ids
+        }
+        return BatchRunnerOutput({**done.outputs, **pending})
+
+    def drain_outputs(self, timeout: float | None = 10.0) -> bool:
+        """Wait (bounded) until every pending output is packed; before memory-releasing calls."""
+        return self.packer.drain(timeout) if self.packer is not None else True
 
     def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Step mode: one denoising step for every scheduled request."""
@@ -130,6 +191,9 @@ class Worker:
         return getattr(self, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
+        packer, self.packer = self.packer, None
+        if packer is not None and not packer.close(self.config.close_timeout_s):
+            log.error("worker %d: output packer did not stop in time", self.rank)
         runner, self.runner = self.runner, None
         if runner is not None:
             runner.close()

@@ -50,6 +50,8 @@ def wave(*requests: DiffusionRequest) -> SchedulerOutput:
 def config(cache_dir: Path, **overrides: Any) -> EngineConfig:
     overrides.setdefault("torch_threads", 1)
     overrides.setdefault("max_num_seqs", 4)
+    # Most tests here look at the forward itself: packing inline keeps images in its result.
+    overrides.setdefault("async_output", False)
     return EngineConfig(cache_dir=str(cache_dir), **overrides)
 
 
@@ -102,6 +104,19 @@ async def test_executes_a_wave_in_the_worker_thread(echo_executor: InprocExecuto
         out = await echo_executor.execute_batch(wave(request("a", seed=4), request("b", seed=5)))
     assert decode_echo_image(single(out, "a").images[0]) == ("a", 4, 0)
     assert decode_echo_image(single(out, "b").images[0]) == ("b", 5, 0)
+
+
+async def test_async_output_answers_with_ids_and_the_packer_delivers(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with open_executor(config(cache_dir, async_output=True)) as executor:
+            out = await executor.execute_batch(wave(request("a", seed=4), request("b", seed=5)))
+            ids = {rid: single(out, rid).async_output_id for rid in ("a", "b")}
+            assert all(ids.values())
+            assert single(out, "a").images is None
+            assert len({str(key).partition("/")[0] for key in ids.values()}) == 1  # one batch
+            packed = {rid: await executor.wait_output(str(key)) for rid, key in ids.items()}
+    assert decode_echo_image(packed["a"].images[0]) == ("a", 4, 0)
+    assert decode_echo_image(packed["b"].images[0]) == ("b", 5, 0)
 
 
 async def test_close_joins_the_worker_thread_and_later_calls_raise_closed(

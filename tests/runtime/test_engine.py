@@ -1362,3 +1362,46 @@ async def test_unconditional_model_rejects_other_sizes_before_admission(
             assert engine.statistics().admitted == 0
             out = await engine.generate("x", SamplingParams(num_inference_steps=2, seed=3))
             assert out.images[0].size == (32, 32)
+
+
+class _UnpackableModel(ScriptedModel):
+    """Forwards fine, but its outputs cannot be converted to an image (fails in the packer)."""
+
+    def generate(self, requests: Any, generators: Any, **kw: Any) -> Any:
+        super().generate(requests, generators, **kw)
+        return [[object()] for _ in requests]
+
+
+async def test_async_output_delivers_packed_images_with_timings(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, async_output=True, max_num_seqs=2) as engine:
+            assert engine.config.async_output
+            async with trio.open_nursery() as nursery:
+                results: dict[str, Any] = {}
+
+                async def run(rid: str, seed: int) -> None:
+                    results[rid] = await engine.generate("p", params(seed=seed), request_id=rid)
+
+                nursery.start_soon(run, "a", 1)
+                nursery.start_soon(run, "b", 2)
+            pump = engine.executor._pump  # type: ignore[attr-defined]
+            assert pump is not None
+            stats = pump.statistics()
+    assert decode_echo_image(results["a"].images[0]) == ("a", 1, 0)
+    assert decode_echo_image(results["b"].images[0]) == ("b", 2, 0)
+    assert results["a"].metrics.postprocess_ms > 0
+    assert (stats.waiting_outputs, stats.cached_outputs, stats.unsplit_batches) == (0, 0, 0)
+
+
+async def test_a_packing_failure_ends_the_request_with_an_error(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    register_models(monkeypatch, {"fake:unpackable": lambda options: _UnpackableModel()})
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, model="fake:unpackable", async_output=True) as engine:
+            with pytest.raises(RequestFailedError) as info:
+                await engine.generate("p", params(seed=1), request_id="bad")
+            # The engine lives on and counts the failure.
+            assert engine.statistics().finished_error == 1
+            engine.check_health()
+    assert info.value.request_id == "bad"
