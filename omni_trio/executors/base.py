@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError
 
@@ -84,6 +84,18 @@ class Executor(abc.ABC):
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Mark requests aborted so running forwards stop at their next step; never blocks."""
 
+    async def wait_output(self, async_output_id: str) -> RunnerOutput:
+        """The packed output announced by a runner output's ``async_output_id``.
+
+        Raises :class:`StallError` if it does not come within the async-output timeout.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no async outputs")
+
+    def drop_output(self, async_output_id: str) -> None:
+        """Nobody will wait for this output (its request was aborted or its consumer left):
+        release it now, or when it arrives.  Backends without async outputs ignore it."""
+        return None
+
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, if the backend tracks it."""
         return None
@@ -121,7 +133,11 @@ def resolve_executor_class(backend: Any) -> type[Executor]:
         from .inproc import InprocExecutor
 
         cls = InprocExecutor
-    elif backend in ("tractor", "ray"):
+    elif backend == "tractor":
+        from .tractor_executor import TractorExecutor
+
+        cls = TractorExecutor
+    elif backend == "ray":
         raise InvalidConfigError(
             f"backend {backend!r} is not available in this version", field="backend"
         )
