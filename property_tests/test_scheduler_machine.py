@@ -153,6 +153,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """
         raise NotImplementedError
 
+    def progress_reset(self, rid: str) -> None:
+        """``rid`` was preempted with ``reset_progress=True`` (its progress may drop to 0)."""
+
     # -- model helpers ----------------------------------------------------------------------
 
     def live(self) -> list[str]:
@@ -366,6 +369,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if reset:
             ref.progress = 0
             ref.sent = False
+            self.progress_reset(rid)
 
     @precondition(lambda self: self.counter > 0)
     @rule(rid=ids)
@@ -513,10 +517,58 @@ class RequestSchedulerMachine(SchedulerMachine):
 
 
 class StepSchedulerMachine(SchedulerMachine):
+    """Step mode, plus the continuous-batching rules: progress only grows (unless a preemption
+    resets it), a finished request's progress is frozen, and requests join the running batch
+    only when a tick is scheduled, every running request being in that tick."""
+
     mode = "step"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Highest progress seen per incarnation; lowered only by preempt(reset_progress=True).
+        self.high_water: dict[tuple[str, int], int] = {}
+        # Progress of each terminal incarnation when it finished.
+        self.frozen: dict[tuple[str, int], int] = {}
+        # Ids of the last scheduled tick.
+        self.last_tick: set[str] = set()
 
     def make_scheduler(self, capacity: int, wait_ms: float) -> Scheduler:
         return StepScheduler(capacity)
+
+    def schedule(self) -> None:
+        super().schedule()
+        tick = set(self.inflight.scheduled_request_ids) if self.inflight is not None else set()
+        # Every running request takes part in the tick: one step each, nobody left out.
+        assert tick == set(self.sched.running_request_ids())
+        self.last_tick = tick
+
+    def progress_reset(self, rid: str) -> None:
+        self.high_water[(rid, self.model[rid].incarnation)] = 0
+
+    @invariant()
+    def step_progress_never_goes_backwards(self) -> None:
+        for rid, ref in self.model.items():
+            state = self.sched.get_request_state(rid)
+            assert state is not None
+            key = (rid, ref.incarnation)
+            assert state.num_computed_steps >= self.high_water.get(key, 0), rid
+            self.high_water[key] = state.num_computed_steps
+
+    @invariant()
+    def a_finished_request_never_advances(self) -> None:
+        for rid, ref in self.model.items():
+            if not ref.status.finished:
+                continue
+            state = self.sched.get_request_state(rid)
+            assert state is not None
+            frozen = self.frozen.setdefault((rid, ref.incarnation), state.num_computed_steps)
+            assert state.num_computed_steps == frozen, rid
+
+    @invariant()
+    def requests_join_only_at_tick_boundaries(self) -> None:
+        # Nothing starts running between ticks: whatever runs was in the last tick (a request
+        # may leave between ticks, by abort or preemption, and is then simply absent).
+        assert set(self.sched.running_request_ids()) <= self.last_tick
 
     def model_key(self, spec: Spec) -> tuple[Any, ...]:
         return (spec.height, spec.guidance)
