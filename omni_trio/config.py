@@ -63,12 +63,19 @@ class EngineConfig:
     ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to the model loader
     (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``, ``"tractor"``,
     ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``.
+
+    ``cfg_parallel``: with exactly two workers, split every classifier-free-guidance UNet call
+    between them (rank 0 the conditional half, rank 1 the unconditional half; see
+    :mod:`omni_trio.worker.cfg_parallel`) for models that support it; other models run whole
+    on each worker.  Any other worker count with ``cfg_parallel=True`` is refused when the
+    workers start; ``False`` makes every worker a full replica.
     """
 
     model: str = "builtin:echo"
     model_options: Mapping[str, Any] = field(default_factory=dict)
     backend: Any = "inproc"
     num_workers: int = 1
+    cfg_parallel: bool = True
     device: str | None = None
     dtype: str = "auto"
     torch_threads: int | None = None
@@ -134,7 +141,13 @@ class EngineConfig:
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
                 field="dtype",
             )
-        for name in ("step_execution", "streaming_output", "warmup", "async_output"):
+        for name in (
+            "step_execution",
+            "streaming_output",
+            "warmup",
+            "async_output",
+            "cfg_parallel",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool", field=name)
         if self.streaming_output and not self.step_execution:

@@ -31,6 +31,7 @@ def test_defaults_are_valid() -> None:
     assert cfg.request_batch_max_wait_ms == 0.0
     assert cfg.step_execution is False
     assert cfg.streaming_output is False
+    assert cfg.cfg_parallel is True
     assert cfg.rpc_timeout_s is None
 
 
@@ -62,6 +63,8 @@ BAD_FIELDS: list[tuple[str, Any]] = [
     ("streaming_output", None),
     ("warmup", "true"),
     ("warmup", 0),
+    ("cfg_parallel", "no"),
+    ("cfg_parallel", 1),
     ("torch_threads", 0),
     ("torch_threads", -2),
     ("torch_threads", 1.5),
@@ -131,6 +134,7 @@ GOOD_FIELDS: list[tuple[str, Any]] = [
     ("close_timeout_s", 0),
     ("max_num_seqs", 8),
     ("warmup", False),
+    ("cfg_parallel", False),
 ]
 
 

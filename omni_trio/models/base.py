@@ -23,6 +23,7 @@ from .._core.request import DiffusionRequest
 if TYPE_CHECKING:
     import torch
 
+    from ..worker.cfg_parallel import CfgParallel
     from .step import StepAdapter
 
 __all__ = [
@@ -185,6 +186,16 @@ class DiffusionModel(abc.ABC):
         (the same object on every call) and keeps no per-request state of its own.
         """
         return None
+
+    def enable_cfg_parallel(self, cfg: CfgParallel) -> bool:
+        """Split this model's classifier-free-guidance UNet calls across ``cfg``'s two ranks.
+
+        Returns ``True`` if the model did (from now on every CFG-doubled call of
+        :meth:`generate` and of its step adapter runs half on each rank, with the same
+        result), ``False`` if it cannot (then every rank computes everything, as before).
+        Call it once, right after loading, on every rank alike.  The default cannot.
+        """
+        return False
 
     @abc.abstractmethod
     def to(self, device: torch.device | str) -> None:

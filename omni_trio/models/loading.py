@@ -58,6 +58,17 @@ def _reject_options(model: str, options: Mapping[str, Any]) -> None:
         )
 
 
+def _no_progress_monitor_thread() -> None:
+    """diffusers shows tqdm bars while loading; tqdm then starts a monitor thread that
+    outlives every bar (and the engine).  Nothing of the engine may outlive it: turn the
+    monitor off (bars still work)."""
+    try:
+        import tqdm
+    except ImportError:  # pragma: no cover - a diffusers dependency
+        return
+    tqdm.tqdm.monitor_interval = 0
+
+
 def load_model(
     model: str,
     *,
@@ -78,6 +89,7 @@ def load_model(
     """
     from .pipeline import DiffusersModel
 
+    _no_progress_monitor_thread()
     if model.startswith(BUILTIN_PREFIX):
         if model not in BUILTIN_MODELS:
             raise InvalidConfigError(

@@ -16,6 +16,13 @@ Families:
   ``DDPMPipeline``); the prompt is ignored and the size is fixed by the UNet.
 
 Step mode (:meth:`DiffusersModel.step_adapter`) lives in :mod:`omni_trio.models.pipeline_step`.
+
+CFG parallelism (:meth:`DiffusersModel.enable_cfg_parallel`, see
+:mod:`omni_trio.worker.cfg_parallel`): for the text2image pipelines that have a step adapter
+(``StableDiffusionPipeline.__call__``, no guidance-embedding UNet), every CFG-doubled UNet call
+of ``generate`` and of the step adapter runs inside ``cfg.guided()``, so two ranks each compute
+one half.  The progress hook runs before the split, so an agreed early stop happens before
+any half is computed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import gc
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from .._core.request import DiffusionRequest
+    from ..worker.cfg_parallel import CfgParallel
     from .step import StepAdapter
 
 __all__ = [
@@ -106,7 +114,8 @@ def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
     """Call ``on_step(step, total)`` before every forward of ``pipe.unet`` inside the block.
 
     The hook is removed on exit, whatever happens.  Whatever ``on_step`` raises propagates out
-    of the UNet call, and so out of the pipeline call.
+    of the UNet call, and so out of the pipeline call.  It runs before every other pre-hook
+    (a CFG split included), so a stop it raises costs no UNet work.
     """
     calls = 0
 
@@ -117,7 +126,7 @@ def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
         on_step(calls, total)
         calls += 1
 
-    handle = pipe.unet.register_forward_pre_hook(hook)
+    handle = pipe.unet.register_forward_pre_hook(hook, prepend=True)
     try:
         yield
     finally:
@@ -194,6 +203,9 @@ class DiffusersModel(DiffusionModel):
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.
         self._lock = threading.Lock()
         self._step_adapter = adapter
+        # Set once by enable_cfg_parallel; the hooks stay on the UNet until close.
+        self._cfg: CfgParallel | None = None
+        self._cfg_hooks: Any = None
 
     @classmethod
     def from_pretrained(
@@ -240,6 +252,31 @@ class DiffusersModel(DiffusionModel):
         """
         return self._step_adapter
 
+    def enable_cfg_parallel(self, cfg: CfgParallel) -> bool:
+        """See :meth:`DiffusionModel.enable_cfg_parallel`.
+
+        Done for text2image pipelines with a step adapter (whose CFG layout, all
+        unconditional rows then all conditional rows, is known); ``False`` for the others.
+        Raises ``RuntimeError`` if called twice.
+        """
+        from .pipeline_step import Text2ImageStepAdapter
+
+        if not isinstance(self._step_adapter, Text2ImageStepAdapter):
+            return False
+        with self._lock:
+            if self._cfg is not None:
+                raise RuntimeError(f"model {self.info.name} already runs CFG-parallel")
+            self._cfg_hooks = cfg.install(self.pipeline.unet)
+            self._cfg = cfg
+        return True
+
+    def cfg_guided(self, doubled: bool) -> AbstractContextManager[Any]:
+        """The block to run a UNet call in: ``cfg.guided()`` when CFG parallelism is on and
+        the call is CFG-doubled (``doubled``), else a no-op.  Call it holding the lock."""
+        if self._cfg is None or not doubled:
+            return nullcontext()
+        return self._cfg.guided()
+
     def generate(
         self,
         requests: Sequence[DiffusionRequest],
@@ -269,7 +306,13 @@ class DiffusersModel(DiffusionModel):
                 call = self._text2image_call(pipe, requests, repeated, params, output_type)
             else:
                 call = self._unconditional_call(pipe, requests, repeated, params, output_type)
-            with unet_step_hook(pipe, on_step):
+            # Exactly StableDiffusionPipeline.do_classifier_free_guidance.
+            doubled = (
+                self.info.family == "text2image"
+                and params.guidance_scale > 1
+                and pipe.unet.config.time_cond_proj_dim is None
+            )
+            with unet_step_hook(pipe, on_step), self.cfg_guided(doubled):
                 images = call()
             return [[_own(images[i * n + j]) for j in range(n)] for i in range(len(requests))]
 
@@ -340,6 +383,9 @@ class DiffusersModel(DiffusionModel):
         if self._pipe is None:
             return
         with self._lock:
+            hooks, self._cfg_hooks, self._cfg = self._cfg_hooks, None, None
+            if hooks is not None:
+                hooks.remove()
             self._pipe = None
             gc.collect()
             import torch

@@ -16,8 +16,10 @@ mode runs, so a request stepped alone gives bit-identical outputs to ``generate`
 A fused :meth:`denoise_step` is ONE UNet call with a per-row timestep tensor (each request's
 rows carry its own current timestep).  With classifier-free guidance the rows are all
 unconditional rows (request by request, n rows each) followed by all conditional rows in the
-same order -- for a batch of one exactly the layout of the pipeline.  Batching changes the
-UNet's numerics in the last bits only (measured in ``tests/models/test_pipeline_step.py``).
+same order -- for a batch of one exactly the layout of the pipeline, and the layout CFG
+parallelism splits (:meth:`~omni_trio.models.pipeline.DiffusersModel.enable_cfg_parallel`).
+Batching changes the UNet's numerics in the last bits only (measured in
+``tests/models/test_pipeline_step.py``).
 
 Other pipelines of the supported families (ones that override ``__call__``, UNets with a
 guidance embedding) have no step adapter: their ``__call__`` may do math this module does not.
@@ -216,15 +218,16 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
                 timestep = torch.cat([timestep, timestep])
                 negatives = torch.cat([state.extra["negative_prompt_embeds"] for state in states])
                 embeds = torch.cat([negatives, embeds])
-            noise = pipe.unet(
-                latents,
-                timestep,
-                encoder_hidden_states=embeds,
-                timestep_cond=None,
-                cross_attention_kwargs=None,
-                added_cond_kwargs=None,
-                return_dict=False,
-            )[0]
+            with self._model.cfg_guided(guided):
+                noise = pipe.unet(
+                    latents,
+                    timestep,
+                    encoder_hidden_states=embeds,
+                    timestep_cond=None,
+                    cross_attention_kwargs=None,
+                    added_cond_kwargs=None,
+                    return_dict=False,
+                )[0]
             if guided:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + guidance * (cond - uncond)

@@ -3,6 +3,14 @@
 Synchronous by design: it runs in the worker's thread (inproc) or process (tractor).  A forward
 checks the shared :class:`StopFlags` before every denoising step, so an abort stops it at the
 next step boundary instead of waiting for the whole forward.
+
+With CFG parallelism (a :class:`~omni_trio.worker.cfg_parallel.CfgParallel` the model accepted)
+the two ranks run every forward in lockstep, exchanging UNet halves, so they must stop at the
+same step: the stop decision is collective (:meth:`CfgParallel.agree_stop`: any rank's flag
+stops both), taken before the forward and before every step.  A rank acting on its own flags
+alone would leave the other waiting in a collective.  A failed collective
+(:class:`~omni_trio.worker.cfg_parallel.CollectiveError`) is raised, never turned into the
+requests' errors: the group, and so this runner, is unusable after it.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
 from ..errors import InvalidConfigError
+from .cfg_parallel import CollectiveError
 from .stop_flags import ForwardStopped, StopFlags
 
 if TYPE_CHECKING:
     import torch
 
     from ..models import DiffusionModel, ModelInfo
+    from .cfg_parallel import CfgParallel
     from .step_runner import StepRunner
 
 __all__ = ["ForwardedBatch", "ModelRunner", "StepProgress", "convert_output"]
@@ -76,6 +86,10 @@ class ModelRunner:
 
     ``execute_model_batch`` never raises for a request's own failure: it returns a per-request
     error output.  It raises only for errors that make the runner unusable.
+
+    ``cfg``: this rank's CFG-parallel group, offered to the model at :meth:`load_model`;
+    :attr:`cfg` stays set only if the model accepted it.  ``world_size``: ranks running the
+    same waves in lockstep (passed on to the step runner).
     """
 
     def __init__(
@@ -85,6 +99,9 @@ class ModelRunner:
         dtype: torch.dtype,
         stop_flags: StopFlags,
         progress: StepProgress | None = None,
+        *,
+        cfg: CfgParallel | None = None,
+        world_size: int = 1,
     ) -> None:
         self.config = config
         self.device = device
@@ -93,6 +110,10 @@ class ModelRunner:
         self.progress: StepProgress = progress if progress is not None else {}
         self._model: DiffusionModel | None = None
         self._step_runner: StepRunner | None = None
+        # Set iff the loaded model runs CFG-parallel with it (then stops are collective).
+        self.cfg: CfgParallel | None = None
+        self._offered_cfg = cfg
+        self.world_size = world_size
         # Denoising steps started so far, over every forward (read by liveness checks).
         self.steps_done = 0
 
@@ -132,8 +153,16 @@ class ModelRunner:
             from .step_runner import StepRunner
 
             self._step_runner = StepRunner(
-                self.config, adapter, self.device, self.stop_flags, self.progress, convert_output
+                self.config,
+                adapter,
+                self.device,
+                self.stop_flags,
+                self.progress,
+                convert_output,
+                world_size=self.world_size,
             )
+        if self._offered_cfg is not None and model.enable_cfg_parallel(self._offered_cfg):
+            self.cfg = self._offered_cfg
         self._model = model
         return model.info
 
@@ -169,7 +198,15 @@ class ModelRunner:
             raise RuntimeError("model not loaded")
         model = self._model
         ids = [r.request_id for r in requests]
-        if self.stop_flags.should_stop(ids):
+        flags = self.stop_flags
+        cfg = self.cfg
+
+        def must_stop() -> bool:
+            # Collective under CFG parallelism: every rank calls it at the same points.
+            local = flags.should_stop(ids)
+            return cfg.agree_stop(local) if cfg is not None else local
+
+        if must_stop():
             return _all(ids, aborted=True), ForwardedBatch()
         if any(r.sampling.seed is None for r in requests):
             return _all(
@@ -182,10 +219,9 @@ class ModelRunner:
         ]
         output_type = requests[0].sampling.output_type
         progress = self.progress
-        flags = self.stop_flags
 
         def on_step(step: int, total: int) -> None:
-            if flags.should_stop(ids):
+            if must_stop():
                 raise ForwardStopped(ids, step)
             self.steps_done += 1
             for rid in ids:
@@ -206,6 +242,8 @@ class ModelRunner:
                 )
         except ForwardStopped:
             return _all(ids, aborted=True), ForwardedBatch()
+        except CollectiveError:
+            raise  # the CFG-parallel group is broken: this worker is, not the requests
         except Exception as exc:  # a request failure, not a runner failure
             log.debug("forward of %s failed", ids, exc_info=True)
             return BatchRunnerOutput.from_list(

@@ -11,6 +11,15 @@ lifecycle and progress.  Every tick:
    plus a preview every ``preview_interval`` steps when streaming.
 
 A failure of one request's call finishes only that request; the others continue.
+
+With several ranks (``world_size > 1``) every rank runs every tick in lockstep (under CFG
+parallelism each fused UNet call is split across them), so a tick must not depend on
+per-rank state: the stop flags are NOT consulted at tick start there, since an abort reaches
+the ranks at different moments.  Nothing is lost: the engine never schedules an aborted
+request, and it reports the abort itself; the state is evicted once the request shows up in
+``finished_req_ids``.  A failed collective
+(:class:`~omni_trio.worker.cfg_parallel.CollectiveError`) ends the tick with that error: the
+worker, not a request, has failed.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
+from .cfg_parallel import CollectiveError
 from .stop_flags import StopFlags
 
 if TYPE_CHECKING:
@@ -45,6 +55,8 @@ class StepRunner:
         stop_flags: StopFlags,
         progress: dict[str, tuple[int, int]] | Any,
         convert: Callable[[Any, str], Any],
+        *,
+        world_size: int = 1,
     ) -> None:
         self.config = config
         self.adapter = adapter
@@ -52,6 +64,8 @@ class StepRunner:
         self.stop_flags = stop_flags
         self.progress = progress
         self._convert = convert
+        # Ranks running each tick in lockstep; above 1 the stop flags are not consulted.
+        self.world_size = world_size
         self.states: dict[str, StepState] = {}
         # Wall time each live request has spent in ticks (ms), reported as forward_ms.
         self._elapsed_ms: dict[str, float] = {}
@@ -98,7 +112,7 @@ class StepRunner:
                     outputs[rid] = RunnerOutput(
                         rid, error=f"no step state for request {rid}", error_type="LookupError"
                     )
-                elif self.stop_flags.is_aborted(rid):
+                elif self.world_size == 1 and self.stop_flags.is_aborted(rid):
                     outputs[rid] = RunnerOutput(rid, aborted=True)
                     self.evict((rid,))
                 else:
@@ -119,6 +133,8 @@ class StepRunner:
         try:
             preds = self.adapter.denoise_step(live)
             return {s.request_id: p for s, p in zip(live, preds, strict=True)}
+        except CollectiveError:
+            raise  # the CFG-parallel group is broken: no retry can succeed
         except Exception as exc:
             if len(live) == 1:
                 return {live[0].request_id: exc}
@@ -126,6 +142,8 @@ class StepRunner:
         for state in live:
             try:
                 results[state.request_id] = self.adapter.denoise_step([state])[0]
+            except CollectiveError:
+                raise
             except Exception as exc:
                 results[state.request_id] = exc
         return results

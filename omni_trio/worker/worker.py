@@ -3,6 +3,12 @@
 A worker never admits or reorders requests; it runs what it is sent (INV-2).  All methods are
 synchronous and run in the worker's own thread (inproc) or process (tractor); the executor
 reaches them by name through :meth:`Worker.execute_method`, which is the RPC surface.
+
+With two workers and ``config.cfg_parallel`` (the default) the ranks form a torch.distributed
+group at :meth:`Worker.init_device` (rendezvous at the executor-chosen ``dist_init_method``)
+and, for models that accept it, split each classifier-free-guidance UNet call between them
+(:mod:`omni_trio.worker.cfg_parallel`).  Several workers on CUDA each take their own GPU
+(``cuda:<rank>``) when there are enough and ``config.device`` names none.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
+from ..errors import InvalidConfigError
 from .output_packer import OutputPacker, record_ready_event
 from .runner import ModelRunner, StepProgress
 from .stop_flags import StopFlags
@@ -23,8 +30,9 @@ if TYPE_CHECKING:
     import torch
 
     from ..models import ModelInfo
+    from .cfg_parallel import CfgParallel
 
-__all__ = ["RPC_METHODS", "Worker", "resolve_device", "resolve_dtype"]
+__all__ = ["RPC_METHODS", "Worker", "rank_device", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,25 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def rank_device(name: str | None, rank: int, world_size: int) -> tuple[torch.device, bool]:
+    """The device of ``rank`` among ``world_size`` workers, and whether it is the rank's own.
+
+    A CUDA device without an index becomes ``cuda:<rank>`` when there are at least
+    ``world_size`` GPUs (``True``: each rank has its own); anything else is shared as named.
+    """
+    import torch
+
+    device = resolve_device(name)
+    if (
+        world_size > 1
+        and device.type == "cuda"
+        and device.index is None
+        and torch.cuda.device_count() >= world_size
+    ):
+        return torch.device("cuda", rank), True
+    return device, False
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     import torch
 
@@ -60,7 +87,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    """One replica of the model on one device."""
+    """One replica of the model on one device.
+
+    ``dist_init_method`` (``tcp://HOST:PORT``, the same for every rank) is where the ranks of
+    a CFG-parallel group meet; required when ``world_size > 1`` and ``config.cfg_parallel``.
+    """
 
     def __init__(
         self,
@@ -70,6 +101,7 @@ class Worker:
         world_size: int = 1,
         stop_flags: StopFlags | None = None,
         progress: StepProgress | None = None,
+        dist_init_method: str | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -80,10 +112,50 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.packer: OutputPacker | None = None
         self.model_info: ModelInfo | None = None
+        self.dist_init_method = dist_init_method
+        self.device: torch.device | None = None
+        # This rank's CFG-parallel group: joined by init_device, kept only if the model
+        # accepts it (load_model), closed by shutdown.
+        self.cfg: CfgParallel | None = None
 
     def init_device(self) -> None:
-        """Select the device and apply the thread setting (process-wide in torch)."""
+        """Select the device, apply the thread setting (process-wide in torch) and, with two
+        ranks and ``config.cfg_parallel``, join the CFG-parallel group.
+
+        Joining blocks until the other rank joins too (at most ``worker_stall_timeout_s``, or
+        30 minutes without one; then ``RuntimeError``).  Raises :class:`InvalidConfigError`
+        (field ``cfg_parallel``) for ``cfg_parallel`` with a world size other than 1 or 2, or
+        without a ``dist_init_method``.  Idempotent.
+        """
         self.set_torch_threads(self.config.resolved_torch_threads)
+        device, own = rank_device(self.config.device, self.rank, self.world_size)
+        self.device = device
+        if self.world_size == 1 or not self.config.cfg_parallel or self.cfg is not None:
+            return
+        if self.world_size != 2:
+            raise InvalidConfigError(
+                f"cfg_parallel splits guidance between exactly 2 workers, not "
+                f"{self.world_size}; use num_workers=2 or cfg_parallel=False",
+                field="cfg_parallel",
+            )
+        if self.dist_init_method is None:
+            raise InvalidConfigError(
+                "cfg_parallel needs a rendezvous address (dist_init_method) that this "
+                "backend did not give its workers; use cfg_parallel=False",
+                field="cfg_parallel",
+            )
+        from .cfg_parallel import init_cfg_group
+
+        timeout = self.config.worker_stall_timeout_s
+        self.cfg = init_cfg_group(
+            self.rank,
+            self.world_size,
+            self.dist_init_method,
+            timeout_s=timeout if timeout is not None else 1800.0,
+            device=device,
+            # NCCL refuses two ranks on one GPU: ranks that share one talk through gloo.
+            backend="nccl" if own else "gloo",
+        )
 
     def set_torch_threads(self, n: int) -> int:
         import torch
@@ -93,12 +165,36 @@ class Worker:
         return torch.get_num_threads()
 
     def load_model(self) -> ModelInfo:
-        device = resolve_device(self.config.device)
+        """Load the model on this worker's device; offer it the CFG-parallel group, which is
+        closed at once if the model cannot use it (every rank decides alike)."""
+        device = self.device
+        if device is None:  # init_device was skipped
+            device = rank_device(self.config.device, self.rank, self.world_size)[0]
         dtype = resolve_dtype(self.config.dtype, device)
-        runner = ModelRunner(self.config, device, dtype, self.stop_flags, self.progress)
+        runner = ModelRunner(
+            self.config,
+            device,
+            dtype,
+            self.stop_flags,
+            self.progress,
+            cfg=self.cfg,
+            world_size=self.world_size,
+        )
         self.model_info = runner.load_model()
         self.runner = runner
+        if self.cfg is not None and runner.cfg is None:
+            self._close_cfg()
         return self.model_info
+
+    @property
+    def cfg_parallel(self) -> bool:
+        """The loaded model splits its guided UNet calls with the other rank."""
+        return self.runner is not None and self.runner.cfg is not None
+
+    def _close_cfg(self) -> None:
+        cfg, self.cfg = self.cfg, None
+        if cfg is not None:
+            cfg.close()
 
     @property
     def steps_done(self) -> int:
@@ -183,6 +279,7 @@ class Worker:
             "pid": os.getpid(),
             "device": str(runner.device) if runner else None,
             "model": self.model_info.name if self.model_info else None,
+            "cfg_parallel": self.cfg_parallel,
         }
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -197,3 +294,4 @@ class Worker:
         runner, self.runner = self.runner, None
         if runner is not None:
             runner.close()
+        self._close_cfg()

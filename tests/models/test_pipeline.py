@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from omni_trio.errors import InvalidConfigError, InvalidRequestError
+from omni_trio.models.echo import EchoModel
 from omni_trio.models.pipeline import DiffusersModel
+from omni_trio.worker.cfg_parallel import CfgParallel, CfgStatistics
 
 from .support import StepRecorder, Stop, generators, no_steps, request
 
@@ -167,3 +169,51 @@ def test_close_releases_and_refuses_work(tiny_ddim: Any) -> None:
     model.close()
     with pytest.raises(RuntimeError, match="closed"):
         images(model, [request()], [0])
+
+
+class SplitRecorder(CfgParallel):
+    """Rank 0 of a CFG group with no peer: the "gathered" batch is this rank's half twice."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 2, backend="gloo")
+        self.batches: list[int] = []
+
+    def _gather(self, half: torch.Tensor, batch: int) -> torch.Tensor:
+        self.batches.append(batch)
+        return torch.cat([half, half])
+
+
+def test_cfg_parallel_splits_exactly_the_guided_unet_calls(tiny_sd: Any, tiny_ddim: Any) -> None:
+    """Which calls are split (the numerics are checked with two real ranks in
+    ``tests/worker/test_cfg_parallel.py``)."""
+    model = DiffusersModel(tiny_sd.pipeline, name="cfg")
+    cfg = SplitRecorder()
+    unet = tiny_sd.pipeline.unet
+    try:
+        assert model.enable_cfg_parallel(cfg) is True
+        with pytest.raises(RuntimeError, match="already runs CFG-parallel"):
+            model.enable_cfg_parallel(cfg)
+        images(model, [request(guidance_scale=1.0, num_inference_steps=2)], [0])
+        assert cfg.statistics() == CfgStatistics(2, 0, 2, 2)  # not doubled: not split
+        guided = [request("a", guidance_scale=7.5), request("b", guidance_scale=7.5)]
+        images(model, guided, [0, 1])
+        assert cfg.batches == [4, 4, 4]  # 3 steps, uncond + cond rows of 2 requests
+        assert cfg.statistics() == CfgStatistics(5, 3, 14, 8)
+        adapter = model.step_adapter()
+        assert adapter is not None
+        state = adapter.prepare_encode(
+            request(guidance_scale=7.5, num_outputs_per_prompt=2), generators(0)[0]
+        )
+        adapter.denoise_step([state])
+        assert cfg.batches[-1] == 4
+        assert not cfg.active
+    finally:
+        model.close()
+    assert not unet._forward_hooks and not unet._forward_pre_hooks  # close took them off
+    ddim = DiffusersModel(tiny_ddim.pipeline, name="ddim")
+    try:
+        assert ddim.enable_cfg_parallel(SplitRecorder()) is False
+        assert not tiny_ddim.pipeline.unet._forward_hooks
+    finally:
+        ddim.close()
+    assert EchoModel().enable_cfg_parallel(SplitRecorder()) is False

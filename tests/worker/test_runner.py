@@ -15,6 +15,7 @@ from omni_trio._core.request import DiffusionRequest, SamplingParams
 from omni_trio.config import EngineConfig
 from omni_trio.errors import InvalidConfigError
 from omni_trio.models.echo import EchoModel, decode_echo_image
+from omni_trio.worker.cfg_parallel import CfgParallel, CollectiveError
 from omni_trio.worker.runner import ModelRunner, StepProgress, convert_output
 from omni_trio.worker.stop_flags import StopFlags
 from tests.fakes import ScriptedModel, register_models
@@ -385,3 +386,97 @@ def test_convert_output_types() -> None:
     latent = torch.ones(4, 2, 2, requires_grad=True)
     converted = convert_output(latent, "latent")
     assert not converted.requires_grad and converted.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------
+# CFG parallelism: collective stops.
+# ---------------------------------------------------------------------------------------
+
+
+class PeerGroup(CfgParallel):
+    """Rank 0 of a CFG group whose peer is scripted: it wants to stop from the
+    ``peer_stops_at``-th :meth:`agree_stop` on; the ``fail_at``-th fails as a lost peer."""
+
+    def __init__(self, *, peer_stops_at: int | None = None, fail_at: int | None = None) -> None:
+        super().__init__(0, 2, backend="gloo")
+        self.asked: list[bool] = []
+        self.peer_stops_at = peer_stops_at
+        self.fail_at = fail_at
+
+    def agree_stop(self, local: bool) -> bool:
+        n = len(self.asked)
+        self.asked.append(local)
+        if n == self.fail_at:
+            raise CollectiveError("the peer is gone")
+        return local or (self.peer_stops_at is not None and n >= self.peer_stops_at)
+
+
+class CfgEcho(EchoModel):
+    def enable_cfg_parallel(self, cfg: CfgParallel) -> bool:
+        return True
+
+
+def cfg_runner(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path, group: CfgParallel | None
+) -> ModelRunner:
+    register_models(monkeypatch, {"fake:cfg-echo": lambda options: CfgEcho()})
+    cfg = EngineConfig(model="fake:cfg-echo", cache_dir=str(cache_dir), torch_threads=1)
+    runner = ModelRunner(cfg, CPU, torch.float32, StopFlags(), cfg=group, world_size=2)
+    runner.load_model()
+    return runner
+
+
+def test_a_model_that_declines_cfg_parallel_keeps_per_rank_stops(cache_dir: Path) -> None:
+    cfg = EngineConfig(cache_dir=str(cache_dir), torch_threads=1)
+    group = PeerGroup(fail_at=0)  # any collective would fail
+    runner = ModelRunner(cfg, CPU, torch.float32, StopFlags(), cfg=group, world_size=2)
+    try:
+        runner.load_model()  # builtin:echo declines
+        assert runner.cfg is None
+        assert runner.execute_model(request("a")).get("a").images is not None  # type: ignore[union-attr]
+        assert group.asked == []
+    finally:
+        runner.close()
+
+
+def test_the_peers_stop_stops_this_rank_at_the_same_step(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    # Asked once before the forward, then before each step: the 4th ask is before step 2.
+    group = PeerGroup(peer_stops_at=3)
+    runner = cfg_runner(monkeypatch, cache_dir, group)
+    try:
+        assert runner.cfg is group
+        out = runner.execute_model(request("a", steps=6)).get("a")
+        assert out is not None and out.aborted
+        assert group.asked == [False] * 4  # this rank never wanted to stop
+        assert runner.steps_done == 2
+    finally:
+        runner.close()
+
+
+def test_this_ranks_stop_is_agreed_before_the_forward(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    group = PeerGroup()
+    runner = cfg_runner(monkeypatch, cache_dir, group)
+    try:
+        runner.stop_flags.abort(["a"])
+        out = runner.execute_model(request("a")).get("a")
+        assert out is not None and out.aborted
+        assert group.asked == [True] and runner.steps_done == 0
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_broken_group_is_raised_not_reported_as_the_requests_error(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path, fail_at: int
+) -> None:
+    runner = cfg_runner(monkeypatch, cache_dir, PeerGroup(fail_at=fail_at))
+    try:
+        with pytest.raises(CollectiveError, match="the peer is gone"):
+            runner.execute_model(request("a"))
+        assert runner.progress == {}
+    finally:
+        runner.close()

@@ -21,6 +21,7 @@ from omni_trio._core.request import DiffusionRequest, SamplingParams
 from omni_trio.config import EngineConfig
 from omni_trio.models import DiffusionModel, StepAdapter, StepState, load_model
 from omni_trio.models.echo import EchoModel, decode_echo_image
+from omni_trio.worker.cfg_parallel import CollectiveError
 from omni_trio.worker.runner import StepProgress, convert_output
 from omni_trio.worker.step_runner import StepRunner
 from omni_trio.worker.stop_flags import StopFlags
@@ -50,6 +51,7 @@ class RecordingAdapter(StepAdapter):
         self.calls: list[tuple[str, tuple[str, ...]]] = []
         self.released: list[str] = []
         self.fail_denoise: Callable[[tuple[str, ...]], bool] = lambda ids: False
+        self.denoise_error: type[Exception] = RuntimeError
 
     def prepare_encode(self, request: DiffusionRequest, generator: torch.Generator) -> StepState:
         self.calls.append(("prepare", (request.request_id,)))
@@ -59,7 +61,7 @@ class RecordingAdapter(StepAdapter):
         ids = tuple(s.request_id for s in states)
         self.calls.append(("denoise", ids))
         if self.fail_denoise(ids):
-            raise RuntimeError(f"denoise of {ids} failed on purpose")
+            raise self.denoise_error(f"denoise of {ids} failed on purpose")
         return self.inner.denoise_step(states)
 
     def step_scheduler(self, state: StepState, noise_pred: Any) -> None:
@@ -81,14 +83,22 @@ class RecordingAdapter(StepAdapter):
 class Driver:
     """A StepRunner plus the scheduler's side of the conversation, written by hand."""
 
-    def __init__(self, model: DiffusionModel, **config: Any) -> None:
+    def __init__(self, model: DiffusionModel, *, world_size: int = 1, **config: Any) -> None:
         inner = model.step_adapter()
         assert inner is not None
         self.adapter = RecordingAdapter(inner)
         self.flags = StopFlags()
         self.progress: StepProgress = {}
         cfg = EngineConfig(step_execution=True, **config)
-        self.runner = StepRunner(cfg, self.adapter, CPU, self.flags, self.progress, convert_output)
+        self.runner = StepRunner(
+            cfg,
+            self.adapter,
+            CPU,
+            self.flags,
+            self.progress,
+            convert_output,
+            world_size=world_size,
+        )
         self.step_id = 0
 
     @property
@@ -300,6 +310,30 @@ def test_an_aborted_id_comes_back_aborted_and_its_state_is_dropped(echo: EchoMod
     assert d.adapter.released == ["a"]
     assert "a" not in d.progress
     assert d.adapter.of("denoise")[-1] == ("b",)
+
+
+def test_with_several_ranks_stop_flags_are_not_consulted(echo: EchoModel) -> None:
+    """Ranks in lockstep see an abort at different moments, so none acts on its own flags: the
+    engine never schedules an aborted request and reports it finished, which evicts it."""
+    d = Driver(echo, world_size=2)
+    d.tick(new=[request("a", steps=5)])
+    d.flags.abort(["a"])
+    d.flags.stop_everything()
+    out = d.tick(cached=["a"]).get("a")
+    assert out is not None and not out.aborted and out.step_index == 2
+    d.tick(finished=["a"])
+    assert d.states == {} and d.adapter.released == ["a"]
+
+
+def test_a_broken_collective_fails_the_tick_not_the_requests(echo: EchoModel) -> None:
+    """No state-by-state retry either: every retry would wait on the broken group again."""
+    d = Driver(echo)
+    d.tick(new=[request("a", steps=5), request("b", steps=5)])
+    d.adapter.denoise_error = CollectiveError
+    d.adapter.fail_denoise = lambda ids: True
+    with pytest.raises(CollectiveError, match="on purpose"):
+        d.runner.execute(SchedulerOutput(step_id=9, scheduled_cached_reqs=("a", "b")))
+    assert d.adapter.of("denoise")[-1] == ("a", "b")  # the fused call only
 
 
 def test_stop_everything_aborts_every_scheduled_request(echo: EchoModel) -> None:

@@ -13,10 +13,17 @@ import torch
 from omni_trio._core.messages import NewRequestData, SchedulerOutput
 from omni_trio._core.request import DiffusionRequest, SamplingParams
 from omni_trio.config import EngineConfig
+from omni_trio.errors import InvalidConfigError
 from omni_trio.models.echo import EchoModel, decode_echo_image
 from omni_trio.worker.runner import StepProgress
 from omni_trio.worker.stop_flags import StopFlags
-from omni_trio.worker.worker import RPC_METHODS, Worker, resolve_device, resolve_dtype
+from omni_trio.worker.worker import (
+    RPC_METHODS,
+    Worker,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+)
 from tests.fakes import register_models
 
 
@@ -61,6 +68,42 @@ def test_resolve_device_and_dtype() -> None:
     assert resolve_dtype("float32", cpu) is torch.float32
     assert resolve_dtype("float16", cpu) is torch.float16
     assert resolve_dtype("bfloat16", cpu) is torch.bfloat16
+
+
+def test_rank_device_gives_each_rank_its_own_gpu_only_when_there_are_enough() -> None:
+    assert rank_device("cpu", 1, 2) == (torch.device("cpu"), False)
+    assert rank_device("cpu", 0, 1) == (torch.device("cpu"), False)
+    if torch.cuda.device_count() >= 2:
+        assert rank_device("cuda", 1, 2) == (torch.device("cuda", 1), True)
+        assert rank_device("cuda:0", 1, 2) == (torch.device("cuda", 0), False)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "init_method", "match"),
+    [(2, None, "rendezvous address"), (3, "tcp://127.0.0.1:1", "exactly 2 workers")],
+)
+def test_cfg_parallel_needs_two_ranks_and_a_rendezvous(
+    cache_dir: Path, world_size: int, init_method: str | None, match: str
+) -> None:
+    w = Worker(config(cache_dir), rank=1, world_size=world_size, dist_init_method=init_method)
+    with pytest.raises(InvalidConfigError, match=match) as info:
+        w.init_device()
+    assert info.value.field == "cfg_parallel"
+    assert w.cfg is None
+
+
+def test_without_cfg_parallel_each_rank_is_a_full_replica(cache_dir: Path) -> None:
+    w = Worker(config(cache_dir, cfg_parallel=False), rank=1, world_size=2)
+    try:
+        w.init_device()  # no group, no rendezvous needed
+        w.load_model()
+        assert w.cfg is None
+        assert w.describe()["cfg_parallel"] is False
+        out = w.execute_scheduler_output(wave(request("solo", seed=5)))
+        assert out.outputs == {}  # not the output rank: it ships nothing...
+        assert w.steps_done == 3  # ...but ran the whole forward itself
+    finally:
+        w.shutdown()
 
 
 def test_init_device_applies_the_thread_setting(cache_dir: Path) -> None:
@@ -140,6 +183,7 @@ def test_rpc_surface(worker: Worker) -> None:
         "pid": os.getpid(),
         "device": "cpu",
         "model": "builtin:echo",
+        "cfg_parallel": False,
     }
     assert worker.execute_method("set_torch_threads", 1) == 1
     out = worker.execute_method("execute_model", request("via-rpc"))

@@ -1,0 +1,147 @@
+"""The worker side of the tractor backend: one OS process per worker.
+
+This module is enabled in each worker sub-actor, and tractor imports it in the parent too, so
+its top level stays light (no torch): the model is loaded inside :func:`serve_worker`.
+
+Protocol over one persistent ``open_context`` stream (bytes encoded by ``omni_trio.ipc``):
+
+- executor -> worker: ``{"op": "call", "id", "method", "args", "kwargs"}`` runs a worker
+  method in the worker's own thread (calls run one at a time, in order);
+  ``{"op": "abort", "ids"}`` sets stop flags at once, even while a forward runs.
+- worker -> executor: ``{"op": "reply", "id", "rank", "steps", "ok", "result" | "error",
+  "error_type", "traceback"}`` for every call (ranks other than the output rank reply
+  with ``result=None``); ``{"op": "heartbeat", "rank", "steps", "progress"}`` every second.
+  ``steps`` counts the denoising steps this worker has run so far (progress-aware
+  liveness); a reply carries the count as of the end of its call, so it is exact for every
+  call that returned before it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import traceback
+from typing import Any
+
+import tractor
+import trio
+
+__all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "arm_parent_death_signal", "serve_worker"]
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = __name__
+HEARTBEAT_INTERVAL_S = 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+def arm_parent_death_signal() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so a SIGKILLed
+    engine never leaves a worker behind; exit at once if the parent is already gone."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+if not tractor.is_root_process():
+    arm_parent_death_signal()
+
+
+@tractor.context
+async def serve_worker(
+    ctx: tractor.Context,
+    config: dict[str, Any],
+    rank: int,
+    world_size: int,
+    dist_init_method: str | None = None,
+) -> None:
+    """Load the model, report ready (pid, rank, model info), then serve calls until the
+    stream ends or the context is cancelled; the worker is shut down on the way out."""
+    from dataclasses import asdict
+
+    from ..config import EngineConfig
+    from ..executors.worker_thread import WorkerThread
+    from ..ipc import decode, encode
+    from .worker import Worker
+
+    engine_config = EngineConfig.from_dict(config)
+    thread = WorkerThread(f"omni-trio-worker-{rank}", stall_timeout_s=engine_config.close_timeout_s)
+    thread.start()
+    worker = Worker(
+        engine_config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
+    )
+    try:
+        await thread.run(worker.init_device)
+        info = await thread.run(worker.load_model)
+        await ctx.started({"pid": os.getpid(), "rank": rank, "model_info": asdict(info)})
+        send_lock = trio.Lock()
+
+        async def send(stream: Any, message: dict[str, Any]) -> None:
+            data = encode(message)
+            async with send_lock:
+                await stream.send(data)
+
+        async def run_call(stream: Any, message: dict[str, Any]) -> None:
+            reply: dict[str, Any] = {"op": "reply", "id": message["id"], "rank": rank}
+            reply_rank = message.get("reply_rank", 0)
+            try:
+                # Cancelled only when this worker is being shut down (the executor closed, or
+                # the group failed): stop the forward at its next step instead of running it
+                # to the end while the shutdown waits behind it.
+                result = await thread.run(
+                    lambda: worker.execute_method(
+                        message["method"], *message.get("args", ()), **message.get("kwargs", {})
+                    ),
+                    on_cancel=worker.stop_flags.stop_everything,
+                )
+                # Only the output rank ships its result; the others just say they are done.
+                reply.update(ok=True, result=result if reply_rank in (None, rank) else None)
+            except Exception as exc:
+                reply.update(
+                    ok=False,
+                    error=str(exc) or repr(exc),
+                    error_type=type(exc).__name__,
+                    traceback="".join(traceback.format_exception(exc)),
+                )
+            reply["steps"] = worker.steps_done
+            await send(stream, reply)
+
+        async def heartbeat(stream: Any) -> None:
+            while True:
+                beat = {
+                    "op": "heartbeat",
+                    "rank": rank,
+                    "steps": worker.steps_done,
+                    "progress": {k: list(v) for k, v in worker.progress.items()},
+                }
+                await send(stream, beat)
+                await trio.sleep(HEARTBEAT_INTERVAL_S)
+
+        async with ctx.open_stream() as stream, trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat, stream)
+            async for raw in stream:
+                message = decode(raw)
+                op = message.get("op")
+                if op == "abort":
+                    worker.stop_flags.abort(message["ids"])
+                elif op == "call":
+                    nursery.start_soon(run_call, stream, message)
+                elif op == "shutdown":
+                    break
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            worker.stop_flags.stop_everything()
+            if thread.alive:
+                with trio.move_on_after(engine_config.close_timeout_s):
+                    try:
+                        await thread.run(worker.shutdown, abandon_on_cancel=True)
+                    except Exception:
+                        log.exception("worker %d shutdown failed", rank)
+            await thread.stop()
