@@ -36,10 +36,12 @@ from typing import Any, ClassVar
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import BatchRunnerOutput, SchedulerOutput
+from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
+from ..ipc import SegmentRegistry
 from .base import Executor
+from .result_pump import ResultPump, register_async_outputs
 
 __all__ = ["TractorExecutor"]
 
@@ -185,6 +187,9 @@ class TractorExecutor(Executor):
         self.registry_addr: tuple[str, int] | None = None
         # torch.distributed rendezvous of a CFG-parallel group (2 workers), else None.
         self._dist_init_method: str | None = None
+        self._pump: ResultPump | None = None
+        self._pump_send: trio.MemorySendChannel[AsyncOutput] | None = None
+        self._pump_replies: trio.MemoryReceiveChannel[AsyncOutput] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -232,6 +237,12 @@ class TractorExecutor(Executor):
             # be sent and tractor SIGKILLed each worker after its 3 s reap timeout.)
             if self.config.num_workers > 1 and self.config.cfg_parallel:
                 self._dist_init_method = f"tcp://127.0.0.1:{_free_port()}"
+            if self.config.async_output and not self.config.step_execution:
+                # Rank 0's packer sends OUTPUT_READY on its stream; the pump is their reader.
+                self._pump = ResultPump(worker=0)
+                self._pump_send, self._pump_replies = trio.open_memory_channel[AsyncOutput](
+                    math.inf
+                )
             async with tractor.open_nursery(
                 arbiter_addr=self.registry_addr, loglevel="critical"
             ) as actors:
@@ -252,6 +263,8 @@ class TractorExecutor(Executor):
                                     starters.start_soon(start_one, rank)
                             info = self._ready_info
                             self.model_info = ModelInfo(**info)
+                            if self._pump is not None:
+                                await links.start(self._pump.serve, self._pump_replies)
                             links.start_soon(self._monitor_liveness)
                             task_status.started(self)
                             await trio.sleep_forever()
@@ -265,6 +278,13 @@ class TractorExecutor(Executor):
             error = self._dead_reason or EngineClosedError("executor is closed")
             for link in self._links.values():
                 link.fail_pending(error)
+            if self._pump is not None:
+                self._pump.fail(error)
+            # Every worker process is gone: unlink what they created and nobody received.
+            for rank in range(self.config.num_workers):
+                swept = SegmentRegistry(self._shm_tag(rank)).sweep()
+                if swept:
+                    log.info("unlinked %d shared-memory segment(s) of worker %d", len(swept), rank)
             self._serve_done.set()
 
     _ready_info: dict[str, Any]
@@ -317,6 +337,7 @@ class TractorExecutor(Executor):
                     rank=rank,
                     world_size=self.config.num_workers,
                     dist_init_method=self._dist_init_method,
+                    shm_tag=self._shm_tag(rank),
                 ) as (ctx, started),
                 ctx.open_stream() as stream,
             ):
@@ -377,6 +398,13 @@ class TractorExecutor(Executor):
             waiter = link.pending.pop(message["id"], None)
             if waiter is not None:
                 waiter.settle(reply=message)
+        elif op == "async":
+            link.last_beat = now
+            if self._pump_send is not None:
+                try:
+                    self._pump_send.send_nowait(message["message"])
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
 
     async def _watch_pid(self, actors: Any, link: _WorkerLink) -> None:
         """Fail the group the moment the worker process exits (tractor would not notice)."""
@@ -434,6 +462,8 @@ class TractorExecutor(Executor):
         self.fail(error)
         for link in self._links.values():
             link.fail_pending(error)
+        if self._pump is not None:
+            self._pump.fail(error)
         if self._group_scope is not None:
             self._group_scope.cancel()
 
@@ -548,7 +578,23 @@ class TractorExecutor(Executor):
         return result
 
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return await self._execute("execute_scheduler_output", scheduler_output)
+        result = await self._execute("execute_scheduler_output", scheduler_output)
+        if self._pump is not None:
+            register_async_outputs(self._pump, result)
+        return result
+
+    async def wait_output(self, async_output_id: str) -> RunnerOutput:
+        if self._pump is None:
+            raise RuntimeError("async output is off")
+        output: RunnerOutput = await self._pump.wait_output(async_output_id)
+        return output
+
+    def drop_output(self, async_output_id: str) -> None:
+        if self._pump is not None:
+            self._pump.drop(async_output_id)
+
+    def _shm_tag(self, rank: int) -> str:
+        return f"w{rank}{self._tag}"
 
     async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return await self._execute("execute_stepwise", scheduler_output)

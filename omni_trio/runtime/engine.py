@@ -348,7 +348,16 @@ class AsyncEngine:
             self.executor.drop_output(key)
             raise
         except Exception as exc:
-            packed = RunnerOutput.from_exception(state.request_id, exc)
+            if self.executor.is_dead:
+                # The worker group died with the output in flight: like every other open
+                # stream, this one ends because the engine died.
+                packed = RunnerOutput(
+                    state.request_id,
+                    error=f"engine died: {type(exc).__name__}: {exc}",
+                    error_type="EngineDeadError",
+                )
+            else:
+                packed = RunnerOutput.from_exception(state.request_id, exc)
         timings = {**announced.timings, **packed.timings}
         packed = dataclasses.replace(packed, timings=timings)
         if packed.error is not None or packed.images is None:

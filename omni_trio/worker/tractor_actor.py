@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import traceback
@@ -60,14 +61,21 @@ async def serve_worker(
     rank: int,
     world_size: int,
     dist_init_method: str | None = None,
+    shm_tag: str = "",
 ) -> None:
     """Load the model, report ready (pid, rank, model info), then serve calls until the
-    stream ends or the context is cancelled; the worker is shut down on the way out."""
+    stream ends or the context is cancelled; the worker is shut down on the way out.
+
+    Shared-memory segments this worker creates are named with ``shm_tag``, so the executor
+    can sweep them if the worker dies before their receiver unlinked them.
+    """
+    import functools
     from dataclasses import asdict
 
+    from .._core.messages import AsyncOutput, AsyncOutputKind
     from ..config import EngineConfig
     from ..executors.worker_thread import WorkerThread
-    from ..ipc import decode, encode
+    from ..ipc import Encoder, SegmentRegistry, decode, discard_message
     from .worker import Worker
 
     engine_config = EngineConfig.from_dict(config)
@@ -79,13 +87,52 @@ async def serve_worker(
     try:
         await thread.run(worker.init_device)
         info = await thread.run(worker.load_model)
+        registry = SegmentRegistry(shm_tag)
+        # One encoder per thread that encodes: this trio thread and the output packer's.
+        encoder = Encoder(registry=registry)
+        packer_encoder = Encoder(registry=registry)
+        outbox, outgoing = trio.open_memory_channel[bytes](math.inf)
+        token = trio.lowlevel.current_trio_token()
+
+        def post(data: bytes) -> None:
+            """Queue encoded bytes for the writer task; from any thread.  Bytes that can no
+            longer be sent have their shared memory unlinked."""
+            try:
+                outbox.send_nowait(data)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                discard_message(data, registry=registry)
+
+        def post_output(message: AsyncOutput) -> None:
+            # Called in the packer thread.  The call's own reply is this backend's
+            # COMPUTE_DONE, so only OUTPUT_READY travels.
+            if message.kind is not AsyncOutputKind.OUTPUT_READY:
+                return
+            data = packer_encoder.encode({"op": "async", "message": message})
+            try:
+                token.run_sync_soon(post, data)
+            except trio.RunFinishedError:
+                discard_message(data, registry=registry)
+
+        if engine_config.async_output and not engine_config.step_execution:
+            await thread.run(functools.partial(worker.start_output_packer, post_output))
         await ctx.started({"pid": os.getpid(), "rank": rank, "model_info": asdict(info)})
-        send_lock = trio.Lock()
 
         async def send(stream: Any, message: dict[str, Any]) -> None:
-            data = encode(message)
-            async with send_lock:
-                await stream.send(data)
+            post(encoder.encode(message))
+
+        async def write(stream: Any) -> None:
+            try:
+                async for data in outgoing:
+                    await stream.send(data)
+            finally:
+                # Unsent messages may name shared memory: unlink it (the executor also
+                # sweeps this worker's tag when the group ends).
+                outgoing.close()
+                while True:
+                    try:
+                        discard_message(outgoing.receive_nowait(), registry=registry)
+                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                        break
 
         async def run_call(stream: Any, message: dict[str, Any]) -> None:
             reply: dict[str, Any] = {"op": "reply", "id": message["id"], "rank": rank}
@@ -124,6 +171,7 @@ async def serve_worker(
                 await trio.sleep(HEARTBEAT_INTERVAL_S)
 
         async with ctx.open_stream() as stream, trio.open_nursery() as nursery:
+            nursery.start_soon(write, stream)
             nursery.start_soon(heartbeat, stream)
             async for raw in stream:
                 message = decode(raw)
@@ -136,6 +184,8 @@ async def serve_worker(
                     break
             nursery.cancel_scope.cancel()
     finally:
+        if "outbox" in locals():
+            outbox.close()
         with trio.CancelScope(shield=True):
             worker.stop_flags.stop_everything()
             if thread.alive:

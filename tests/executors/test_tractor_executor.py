@@ -52,6 +52,7 @@ from omni_trio import (
 )
 from omni_trio.executors.inproc import InprocExecutor
 from omni_trio.executors.tractor_executor import TractorExecutor
+from omni_trio.ipc import list_our_segments
 from omni_trio.models.echo import ECHO_STEP_DELAY_S, decode_echo_image
 
 pytestmark = pytest.mark.slow
@@ -681,3 +682,51 @@ async def test_two_workers_run_cfg_parallel_and_match_one_worker(cache_dir: Path
             split = await engine.generate("a red circle", sampling, request_id="split")
     assert [d["cfg_parallel"] for d in described] == [True, True]
     assert np.abs(alone.images[0] - split.images[0]).max() <= 1e-4
+
+
+async def test_async_outputs_over_tractor_move_large_images_through_shared_memory(
+    cache_dir: Path,
+) -> None:
+    """Request mode with async output: rank 0's packer sends OUTPUT_READY on its stream; a
+    12 MB output travels as a shared-memory segment that the executor unlinks on receipt."""
+    big = SamplingParams(height=1024, width=1024, num_inference_steps=1, seed=1, output_type="np")
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir, async_output=True, max_num_seqs=2) as engine:
+            executor = engine.executor
+            assert isinstance(executor, TractorExecutor) and executor._pump is not None
+            out = await engine.generate("p", big, request_id="big")
+            small = await engine.generate("p", params(seed=4), request_id="small")
+            stats = executor._pump.statistics()
+            assert list_our_segments() == []
+    assert out.images[0].shape == (1024, 1024, 3)
+    assert decode_echo_image(out.images[0]) == ("big", 1, 0)
+    assert decode_echo_image(small.images[0]) == ("small", 4, 0)
+    assert (stats.waiting_outputs, stats.cached_outputs, stats.unsplit_batches) == (0, 0, 0)
+
+
+async def test_a_worker_killed_while_outputs_are_in_flight_leaves_no_shared_memory(
+    cache_dir: Path,
+) -> None:
+    big = SamplingParams(height=1024, width=1024, num_inference_steps=2, seed=1, output_type="np")
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir, async_output=True, max_num_seqs=1) as engine:
+            executor = engine.executor
+            assert isinstance(executor, TractorExecutor)
+            pid = executor.worker_pids()[0]
+            outcomes: list[str] = []
+
+            async def one(i: int) -> None:
+                try:
+                    await engine.generate("p", big.replace(seed=i), request_id=f"big-{i}")
+                    outcomes.append("ok")
+                except EngineDeadError:
+                    outcomes.append("dead")
+
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    nursery.start_soon(one, i)
+                await poll_until(lambda: len(outcomes) >= 1)
+                os.kill(pid, signal.SIGKILL)
+            assert "dead" in outcomes and len(outcomes) == 6
+        await wait_until_gone([pid], timeout=5.0)
+    assert list_our_segments() == []
