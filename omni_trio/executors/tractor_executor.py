@@ -28,6 +28,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -80,6 +81,13 @@ def _silence_tractor_warnings() -> None:
         if flt not in parts:
             parts.append(flt)
     os.environ["PYTHONWARNINGS"] = ",".join(parts)
+
+
+def _may_handle_sigterm() -> bool:
+    """Only the main thread may take signals, and only if the application has not."""
+    return threading.current_thread() is threading.main_thread() and signal.getsignal(
+        signal.SIGTERM
+    ) in (signal.SIG_DFL, None)
 
 
 def _exit_status(code: int | None) -> str:
@@ -187,6 +195,7 @@ class TractorExecutor(Executor):
         self.registry_addr: tuple[str, int] | None = None
         # torch.distributed rendezvous of a CFG-parallel group (2 workers), else None.
         self._dist_init_method: str | None = None
+        self._sigterm_received = False
         self._pump: ResultPump | None = None
         self._pump_send: trio.MemorySendChannel[AsyncOutput] | None = None
         self._pump_replies: trio.MemoryReceiveChannel[AsyncOutput] | None = None
@@ -266,6 +275,8 @@ class TractorExecutor(Executor):
                             if self._pump is not None:
                                 await links.start(self._pump.serve, self._pump_replies)
                             links.start_soon(self._monitor_liveness)
+                            if _may_handle_sigterm():
+                                links.start_soon(self._stop_on_sigterm)
                             task_status.started(self)
                             await trio.sleep_forever()
                 finally:
@@ -280,6 +291,10 @@ class TractorExecutor(Executor):
                 link.fail_pending(error)
             if self._pump is not None:
                 self._pump.fail(error)
+            if self._sigterm_received:
+                # The workers are down (gracefully); now die of the SIGTERM as asked.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
             # Every worker process is gone: unlink what they created and nobody received.
             for rank in range(self.config.num_workers):
                 swept = SegmentRegistry(self._shm_tag(rank)).sweep()
@@ -454,6 +469,18 @@ class TractorExecutor(Executor):
                         StallError("forward", f"worker {link.rank}: no progress in {idle:.1f} s")
                     )
                     return
+
+    async def _stop_on_sigterm(self) -> None:
+        """A SIGTERM to the engine's process (``kill <pid>``, systemd, Kubernetes) tears the
+        worker group down gracefully (each worker stops its forward at a step boundary and
+        exits) and then lets the SIGTERM end the process, instead of the default instant
+        death that skips every cleanup.  Installed only while nobody else handles SIGTERM."""
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                log.warning("SIGTERM: stopping the worker processes, then exiting")
+                self._sigterm_received = True
+                self._fail_group(EngineDeadError("the engine process received SIGTERM"))
+                return
 
     def _fail_group(self, error: BaseException) -> None:
         """Fail closed: remember why, fail every pending call, tear the group down."""

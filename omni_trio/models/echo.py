@@ -16,6 +16,8 @@ Encoding: the output, read in HWC order and flattened, starts with the bytes
 Steps: ``generate`` runs ``total_steps`` steps for the whole batch, calling ``on_step`` before
 each and sleeping the step delay after it: ``options["step_delay_s"]`` (default 0), overridden
 per request by ``sampling.extra_args["echo_step_delay_s"]`` (the batch sleeps the largest).
+``extra_args["echo_exit_at_step"] = k`` ends the whole worker process with ``os._exit(3)`` at
+step ``k`` (a crash injection for multi-process tests; never use it in-process).
 ``extra_args["echo_fail_at_step"] = k`` raises :class:`EchoInjectedError` at step ``k``, right
 after ``on_step(k, total)`` (so ``on_step`` has run ``k + 1`` times); a ``k`` past the last
 step never fires.  The failure ends the whole fused forward, as a real crash would.
@@ -27,6 +29,7 @@ ends only its own request (``step_scheduler`` raises for it alone).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
     from .._core.request import DiffusionRequest
 
 __all__ = [
+    "ECHO_EXIT_AT_STEP",
+    "ECHO_EXIT_CODE",
     "ECHO_FAIL_AT_STEP",
     "ECHO_STEP_DELAY_S",
     "EchoInjectedError",
@@ -61,6 +66,8 @@ __all__ = [
 
 ECHO_STEP_DELAY_S = "echo_step_delay_s"
 ECHO_FAIL_AT_STEP = "echo_fail_at_step"
+ECHO_EXIT_AT_STEP = "echo_exit_at_step"
+ECHO_EXIT_CODE = 3
 MAGIC = b"\xecH"
 _PREFIX = len(MAGIC) + 2
 LATENT_CHANNELS = 4
@@ -165,18 +172,24 @@ def _request_delay(request: DiffusionRequest) -> float:
     return _delay(extra[ECHO_STEP_DELAY_S], where)
 
 
-def _fail_step(request: DiffusionRequest) -> int | None:
-    """The step ``request`` asks to fail at, or ``None``; ``ValueError`` if malformed."""
+def _fail_step(request: DiffusionRequest, key: str = ECHO_FAIL_AT_STEP) -> int | None:
+    """The step ``request`` asks to fail (or exit) at, or ``None``; ``ValueError`` if
+    malformed."""
     extra = request.sampling.extra_args
-    if ECHO_FAIL_AT_STEP not in extra:
+    if key not in extra:
         return None
-    step = extra[ECHO_FAIL_AT_STEP]
+    step = extra[key]
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(
-            f"extra_args[{ECHO_FAIL_AT_STEP!r}] of {request.request_id!r} must "
-            f"be an int, got {step!r}"
+            f"extra_args[{key!r}] of {request.request_id!r} must be an int, got {step!r}"
         )
     return step
+
+
+def _exit_if_asked(requests: Sequence[DiffusionRequest], step: int) -> None:
+    for request in requests:
+        if _fail_step(request, ECHO_EXIT_AT_STEP) == step:
+            os._exit(ECHO_EXIT_CODE)  # the injected crash: no cleanup, like a segfault
 
 
 class EchoModel(DiffusionModel):
@@ -251,6 +264,7 @@ class EchoModel(DiffusionModel):
             total = params.steps
             for step in range(total):
                 on_step(step, total)
+                _exit_if_asked(requests, step)
                 for fail_step, request_id in fail_at:
                     if fail_step == step:
                         raise EchoInjectedError(request_id, step)
@@ -368,6 +382,7 @@ class EchoStepAdapter(StepAdapter):
         with self._model._lock:
             self._model._check_open()
             check_step_left(state)
+            _exit_if_asked([state.request], state.step_index)
             if state.extra["fail_at"] == state.step_index:
                 raise EchoInjectedError(state.request_id, state.step_index)
             state.step_index += 1

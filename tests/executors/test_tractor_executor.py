@@ -53,7 +53,12 @@ from omni_trio import (
 from omni_trio.executors.inproc import InprocExecutor
 from omni_trio.executors.tractor_executor import TractorExecutor
 from omni_trio.ipc import list_our_segments
-from omni_trio.models.echo import ECHO_STEP_DELAY_S, decode_echo_image
+from omni_trio.models.echo import (
+    ECHO_EXIT_AT_STEP,
+    ECHO_EXIT_CODE,
+    ECHO_STEP_DELAY_S,
+    decode_echo_image,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -585,9 +590,9 @@ if __name__ == "__main__":
 async def test_no_worker_outlives_a_killed_root(
     tmp_path: Path, cache_dir: Path, signame: str
 ) -> None:
-    """Only the root's pid is signalled (plain ``kill``, systemd ``KillMode=process``):
-    each worker's PR_SET_PDEATHSIG takes it down with the root.  (The root installs no
-    SIGTERM handler of its own: it dies at once, as any trio program without one.)"""
+    """Only the root's pid is signalled (plain ``kill``, systemd ``KillMode=process``).
+    SIGTERM: the executor stops its workers gracefully, then the root dies of the SIGTERM.
+    SIGKILL: each worker's PR_SET_PDEATHSIG takes it down with the root."""
     sig = signal.Signals[signame]
     script = tmp_path / "root.py"
     script.write_text(textwrap.dedent(ROOT_SCRIPT))
@@ -614,6 +619,8 @@ async def test_no_worker_outlives_a_killed_root(
             with trio.fail_after(5.0):
                 assert await proc.wait() == -sig
             await wait_until_gone(workers, timeout=5.0)
+            if sig is signal.SIGTERM:
+                assert "SIGTERM: stopping the worker processes" in stderr.read_text()
         finally:
             if proc.returncode is None:
                 proc.kill()
@@ -729,4 +736,23 @@ async def test_a_worker_killed_while_outputs_are_in_flight_leaves_no_shared_memo
                 os.kill(pid, signal.SIGKILL)
             assert "dead" in outcomes and len(outcomes) == 6
         await wait_until_gone([pid], timeout=5.0)
+    assert list_our_segments() == []
+
+
+async def test_a_worker_that_exits_mid_forward_is_reported_with_its_exit_code(
+    cache_dir: Path,
+) -> None:
+    """``os._exit`` inside the worker (echo's crash injection) during a forward."""
+    crash = params(4, seed=1, extra_args={ECHO_EXIT_AT_STEP: 2})
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir) as engine:
+            executor = engine.executor
+            assert isinstance(executor, TractorExecutor)
+            pid = executor.worker_pids()[0]
+            with pytest.raises(EngineDeadError, match=f"exit code {ECHO_EXIT_CODE}"):
+                await engine.generate("p", crash, request_id="crash")
+            with pytest.raises(EngineDeadError, match="worker 0"):
+                engine.check_health()
+        await wait_until_gone([pid], timeout=5.0)
+    assert executor.worker_exit_codes() == {0: ECHO_EXIT_CODE}
     assert list_our_segments() == []
