@@ -25,6 +25,7 @@ from trio_typing import TaskStatus
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError
+from .result_pump import ResultPump, register_async_outputs
 
 if TYPE_CHECKING:
     from ..models import ModelInfo
@@ -39,6 +40,8 @@ class Executor(abc.ABC):
         self.config = config
         self.model_info: ModelInfo | None = None
         self._dead_reason: BaseException | None = None
+        # Set by backends with async output: the reader of OUTPUT_READY replies.
+        self._pump: ResultPump | None = None
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -87,14 +90,25 @@ class Executor(abc.ABC):
     async def wait_output(self, async_output_id: str) -> RunnerOutput:
         """The packed output announced by a runner output's ``async_output_id``.
 
-        Raises :class:`StallError` if it does not come within the async-output timeout.
+        Backends with async output set ``self._pump`` (the sole reader of OUTPUT_READY
+        replies).  Raises :class:`StallError` if the output does not come within the
+        async-output timeout, the pump's failure if the worker group failed.
         """
-        raise NotImplementedError(f"{type(self).__name__} has no async outputs")
+        if self._pump is None:
+            raise RuntimeError(f"{type(self).__name__} has no async outputs")
+        output: RunnerOutput = await self._pump.wait_output(async_output_id)
+        return output
 
     def drop_output(self, async_output_id: str) -> None:
         """Nobody will wait for this output (its request was aborted or its consumer left):
         release it now, or when it arrives.  Backends without async outputs ignore it."""
-        return None
+        if self._pump is not None:
+            self._pump.drop(async_output_id)
+
+    def _announce_async_outputs(self, result: BatchRunnerOutput) -> None:
+        """Register the batch splits a request-mode result announced with the pump."""
+        if self._pump is not None:
+            register_async_outputs(self._pump, result)
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, if the backend tracks it."""

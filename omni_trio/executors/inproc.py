@@ -20,7 +20,6 @@ from .._core.messages import (
     AsyncOutput,
     AsyncOutputKind,
     BatchRunnerOutput,
-    RunnerOutput,
     SchedulerOutput,
 )
 from ..config import EngineConfig
@@ -29,7 +28,7 @@ from ..worker.runner import StepProgress
 from ..worker.stop_flags import StopFlags
 from ..worker.worker import Worker
 from .base import Executor
-from .result_pump import ResultPump, ThreadReplySender, register_async_outputs
+from .result_pump import ResultPump, ThreadReplySender
 from .worker_thread import WorkerThread
 
 __all__ = ["InprocExecutor"]
@@ -55,7 +54,6 @@ class InprocExecutor(Executor):
         self._thread = WorkerThread("omni-trio-worker-0", stall_timeout_s=config.close_timeout_s)
         self._closed_event = trio.Event()
         self._closing = False
-        self._pump: ResultPump | None = None
         self._reply: ThreadReplySender | None = None
 
     async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
@@ -135,19 +133,8 @@ class InprocExecutor(Executor):
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         worker = self._usable_worker()
         result = await self._run_forward(worker.execute_scheduler_output, scheduler_output)
-        if self._pump is not None:
-            register_async_outputs(self._pump, result)
+        self._announce_async_outputs(result)
         return result
-
-    async def wait_output(self, async_output_id: str) -> RunnerOutput:
-        if self._pump is None:
-            raise RuntimeError("async output is off")
-        output: RunnerOutput = await self._pump.wait_output(async_output_id)
-        return output
-
-    def drop_output(self, async_output_id: str) -> None:
-        if self._pump is not None:
-            self._pump.drop(async_output_id)
 
     async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         worker = self._usable_worker()

@@ -37,12 +37,12 @@ from typing import Any, ClassVar
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
+from .._core.messages import AsyncOutput, BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ..ipc import SegmentRegistry
 from .base import Executor
-from .result_pump import ResultPump, register_async_outputs
+from .result_pump import ResultPump
 
 __all__ = ["TractorExecutor"]
 
@@ -196,7 +196,6 @@ class TractorExecutor(Executor):
         # torch.distributed rendezvous of a CFG-parallel group (2 workers), else None.
         self._dist_init_method: str | None = None
         self._sigterm_received = False
-        self._pump: ResultPump | None = None
         self._pump_send: trio.MemorySendChannel[AsyncOutput] | None = None
         self._pump_replies: trio.MemoryReceiveChannel[AsyncOutput] | None = None
 
@@ -606,19 +605,8 @@ class TractorExecutor(Executor):
 
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         result = await self._execute("execute_scheduler_output", scheduler_output)
-        if self._pump is not None:
-            register_async_outputs(self._pump, result)
+        self._announce_async_outputs(result)
         return result
-
-    async def wait_output(self, async_output_id: str) -> RunnerOutput:
-        if self._pump is None:
-            raise RuntimeError("async output is off")
-        output: RunnerOutput = await self._pump.wait_output(async_output_id)
-        return output
-
-    def drop_output(self, async_output_id: str) -> None:
-        if self._pump is not None:
-            self._pump.drop(async_output_id)
 
     def _shm_tag(self, rank: int) -> str:
         return f"w{rank}{self._tag}"
