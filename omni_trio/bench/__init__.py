@@ -1,7 +1,9 @@
 """``omni-trio bench <experiment>``: the benchmark harness (issue #7).
 
 Experiments: ``overhead`` (engine vs a direct call of the same loaded model), ``throughput``
-(N requests at a concurrency) and ``scheduler`` (per-tick cost vs queue length).  Each prints a
+(N requests at a concurrency), ``scheduler`` (per-tick cost vs queue length), ``steps`` (step
+mode vs request mode on a mixed workload, issue #3) and ``backends`` (tractor vs inproc,
+async output, shared-memory transfer, CFG-parallel; issue #4).  Each prints a
 table and, with ``--json FILE``, writes the figures with the machine and the command.
 ``--quick`` is a smoke run (seconds); its numbers mean nothing.
 

@@ -13,12 +13,14 @@ from .harness import Report, command_line
 
 __all__ = ["EXPERIMENTS", "add_bench_parser", "configure_parser", "run_bench"]
 
-EXPERIMENTS = ("overhead", "throughput", "scheduler")
+EXPERIMENTS = ("overhead", "throughput", "scheduler", "steps", "backends")
 
 _HELP = {
     "overhead": "engine latency vs a direct call of the same loaded model; echo runtime cost",
     "throughput": "N requests at a concurrency: requests/s, images/s, latency, queue wait",
     "scheduler": "schedule() + update_from_output() cost per tick as the queue grows",
+    "steps": "step mode (continuous batching) vs request mode on a mixed-step workload",
+    "backends": "tractor vs inproc: per-request cost, async output, shm transfer, CFG-parallel",
 }
 
 
@@ -67,7 +69,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
-        help="run a benchmark: overhead, throughput or scheduler",
+        help="run a benchmark: overhead, throughput, scheduler, steps or backends",
         description="Benchmarks: warmup, interleaved repeated measurement, a table and JSON.",
     )
     configure_parser(parser)

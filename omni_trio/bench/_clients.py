@@ -3,7 +3,8 @@
 :func:`drive` sends ``n`` requests through an engine from ``concurrency`` client tasks, each
 sending its next request as soon as its previous one finished (a closed loop), and records
 what a client sees: latency from the call to the terminal output, plus the engine's own
-per-request metrics.  :class:`DirectCall` runs the same request on the same loaded model
+per-request metrics; :func:`drive_mixed` does the same with one ``SamplingParams`` per request (a
+mixed workload).  :class:`DirectCall` runs the same request on the same loaded model
 without the engine, in the calling thread: the physical limit the engine is compared with.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +33,7 @@ __all__ = [
     "DirectCall",
     "RunResult",
     "drive",
+    "drive_mixed",
     "engine_model",
     "load_like",
     "run_direct",
@@ -53,6 +55,11 @@ class RunResult:
     latencies_s: list[float] = field(default_factory=list)
     queue_wait_ms: list[float] = field(default_factory=list)
     e2e_ms: list[float] = field(default_factory=list)
+    # Per completed request, in the order of ``latencies_s``: its denoising steps and the
+    # engine's worker-side timings (forward and output packing, ms).
+    steps: list[int] = field(default_factory=list)
+    execution_ms: list[float] = field(default_factory=list)
+    postprocess_ms: list[float] = field(default_factory=list)
     images: int = 0
     failed: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -81,31 +88,55 @@ async def drive(
     """Send ``requests`` copies of ``(prompt, params)`` from ``concurrency`` client tasks.
 
     A failed or aborted request is counted (by error type), never raised; an engine that is
-    closed or dead raises.
+    closed or dead raises (its first error, once every client stopped).
     """
-    result = RunResult(requests=requests, concurrency=concurrency)
-    remaining = iter(range(requests))
+    return await drive_mixed(engine, [params] * requests, concurrency=concurrency, prompt=prompt)
+
+
+async def drive_mixed(
+    engine: AsyncEngine,
+    params: Sequence[SamplingParams],
+    *,
+    concurrency: int,
+    prompt: str = PROMPT,
+) -> RunResult:
+    """Send one request per entry of ``params``, in that order, from ``concurrency`` client
+    tasks (a closed loop: each client sends the next request as soon as its previous one
+    finished).  Failures are counted as in :func:`drive`."""
+    result = RunResult(requests=len(params), concurrency=concurrency)
+    remaining = iter(params)
     clock = time.perf_counter
+    fatal: list[OmniTrioError] = []
 
     async def client() -> None:
-        for _ in remaining:  # shared: each client takes the next request number
+        for sampling in remaining:  # shared: each client takes the next request
             started = clock()
             try:
-                output = await engine.generate(prompt, params)
+                output = await engine.generate(prompt, sampling)
             except (RequestFailedError, RequestAbortedError) as exc:
                 result.failed += 1
                 result.errors[getattr(exc, "error_type", None) or type(exc).__name__] += 1
                 continue
+            except OmniTrioError as exc:  # the engine died or closed: stop every client
+                fatal.append(exc)
+                nursery.cancel_scope.cancel()
+                return
             result.latencies_s.append(clock() - started)
             result.images += len(output.images)
-            result.queue_wait_ms.append(output.metrics.queue_wait_ms)
-            result.e2e_ms.append(output.metrics.e2e_ms)
+            metrics = output.metrics
+            result.queue_wait_ms.append(metrics.queue_wait_ms)
+            result.e2e_ms.append(metrics.e2e_ms)
+            result.steps.append(sampling.total_steps)
+            result.execution_ms.append(metrics.execution_ms)
+            result.postprocess_ms.append(metrics.postprocess_ms)
 
     started = clock()
     async with trio.open_nursery() as nursery:
-        for _ in range(max(1, min(concurrency, requests))):
+        for _ in range(max(1, min(concurrency, len(params)))):
             nursery.start_soon(client)
     result.wall_s = clock() - started
+    if fatal:
+        raise fatal[0]
     return result
 
 

@@ -17,8 +17,10 @@ interleave with the loop's own use of the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
+import random
 import secrets
 import statistics as _stats
 from collections import deque
@@ -159,6 +161,10 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._dead: BaseException | None = None
         self._admitted = 0
+        # Generated ids and seeds: random per engine, cheap per request.
+        self._id_prefix = secrets.token_hex(4)
+        self._id_counter = itertools.count(1)
+        self._seeds = random.Random(secrets.randbits(64))
         # Warmup traffic is nobody's request: it is kept out of the statistics.
         self._warming = False
         self._uncounted: set[str] = set()
@@ -447,6 +453,10 @@ class AsyncEngine:
         if self._closed:
             raise EngineClosedError("engine is closed")
 
+    def _new_request_id(self) -> str:
+        # Unique per engine (a random prefix) without a syscall per request.
+        return f"req-{self._id_prefix}-{next(self._id_counter)}"
+
     def _make_request(
         self,
         prompt_or_request: str | DiffusionRequest,
@@ -468,10 +478,10 @@ class AsyncEngine:
             request = DiffusionRequest(
                 prompt_or_request,
                 params if params is not None else SamplingParams(),
-                request_id if request_id is not None else f"req-{secrets.token_hex(8)}",
+                request_id if request_id is not None else self._new_request_id(),
             )
         if not request.request_id:
-            request = request.replace(request_id=f"req-{secrets.token_hex(8)}")
+            request = request.replace(request_id=self._new_request_id())
         return request
 
     def stream(
@@ -530,7 +540,7 @@ class AsyncEngine:
                         param="size",
                     )
         if sp.seed is None:
-            changes["seed"] = secrets.randbelow(2**31)
+            changes["seed"] = self._seeds.randrange(2**31)
         if not changes:
             return request
         request = request.replace(sampling=sp.replace(**changes))

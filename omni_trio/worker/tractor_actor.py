@@ -18,40 +18,64 @@ Protocol over one persistent ``open_context`` stream (bytes encoded by ``omni_tr
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
-import signal
+import select
+import sys
+import threading
 import traceback
 from typing import Any
 
 import tractor
 import trio
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "arm_parent_death_signal", "serve_worker"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "watch_parent_process", "serve_worker"]
 
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = __name__
 HEARTBEAT_INTERVAL_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
-def arm_parent_death_signal() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so a SIGKILLed
-    engine never leaves a worker behind; exit at once if the parent is already gone."""
+def watch_parent_process() -> None:
+    """End this worker the moment the engine process that spawned it dies, so a SIGKILLed
+    engine never leaves a worker behind.
+
+    ``PR_SET_PDEATHSIG`` cannot be used: the kernel ties it to the parent *thread*, and trio
+    spawns processes from its cached helper threads, which retire after 10 s idle (the worker
+    would be killed then).  Instead a daemon thread of this process waits on a pidfd of the
+    parent process and calls ``os._exit`` when it becomes readable (the parent exited).
+    """
+    parent = os.getppid()
+    if parent == 1:  # already orphaned
+        os._exit(1)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux >= 5.3
         return
-    if os.getppid() == 1:
+
+    def wait_for_parent() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll():
+            pass
         os._exit(1)
 
+    threading.Thread(target=wait_for_parent, name="omni-trio-parent-watch", daemon=True).start()
 
-if not tractor.is_root_process():
-    arm_parent_death_signal()
+
+def _in_worker_process() -> bool:
+    # tractor runs each sub-actor as ``python -m tractor._child --uid .. --parent_addr ..``
+    # (and then swaps ``__main__`` for the parent's); the parent imports this module too,
+    # before its runtime says it is the root, and must not watch its own parent.
+    return "--parent_addr" in sys.argv and sys.argv[0].endswith(
+        os.path.join("tractor", "_child.py")
+    )
+
+
+if _in_worker_process():
+    watch_parent_process()
 
 
 @tractor.context

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from omni_trio.bench import add_bench_parser, run_bench
+from omni_trio.bench.backends import ideal_overlap_speedup, overlap_gain_fraction
+from omni_trio.bench.steps import draw_steps
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +130,79 @@ def test_overhead_quick(tmp_path: Path, cache_dir: Path) -> None:
     for entry in echo["concurrency_8"].values():
         assert entry["failed"] == 0
         _check_summary(entry["requests_per_s"])
+
+
+def test_steps_quick(tmp_path: Path, cache_dir: Path) -> None:
+    code, data, out = _run(["steps", "--cache-dir", str(cache_dir)], tmp_path)
+    assert code == 0, out
+    _check_common(data, "steps")
+    params = data["params"]
+    assert params["model"] == "builtin:tiny-sd"
+    assert params["steps_mix"] == [1, 2, 3] and params["short_steps"] == 1
+    assert (params["concurrency"], params["max_num_seqs"], params["torch_threads"]) == (8, 8, 1)
+    modes = data["results"]["modes"]
+    for mode in ("step", "request"):
+        entry = modes[mode]
+        assert entry["failed"] == 0
+        assert entry["completed"] == params["requests_per_round"] * params["repeats"]
+        for key in ("requests_per_s", "images_per_s", "latency_ms"):
+            _check_summary(entry[key])
+        if entry["short_requests"]:
+            _check_summary(entry["latency_ms_short"])
+    _check_summary(modes["step"]["ratio_requests_per_s_vs_request"])
+    comparison = modes["comparison"]
+    assert isinstance(comparison["step_throughput_higher"], bool)
+    assert isinstance(comparison["step_short_p99_lower"], bool)
+    assert "| mode" in out
+
+
+def test_backends_quick(tmp_path: Path, cache_dir: Path) -> None:
+    code, data, out = _run(["backends", "--cache-dir", str(cache_dir)], tmp_path)
+    assert code == 0, out
+    _check_common(data, "backends")
+    results = data["results"]
+    assert data["params"]["parts"] == ["overhead", "async", "transfer", "cfg"]
+    overhead = results["overhead"]
+    for backend in ("inproc", "tractor"):
+        _check_summary(overhead["latency_ms"][backend])
+    _check_summary(overhead["tractor_minus_inproc_ms"])
+    assert isinstance(overhead["target_met"], bool)
+    for backend in ("inproc", "tractor"):
+        entry = results["async"]["backends"][backend]
+        assert entry["failed"] == 0
+        for key in ("requests_per_s_off", "requests_per_s_on", "forward_ms_off", "pack_ms_off"):
+            _check_summary(entry[key])
+        _check_summary(entry["ratio_on_over_off"])
+        assert entry["ideal_speedup"] >= 1.0
+        assert isinstance(entry["gain_fraction"], float)
+        assert entry["outputs_via_wait_output"] <= entry["outputs_completed_async_on"]
+    assert results["async"]["backends"]["inproc"]["async_output_path_used"] is True
+    sizes = results["transfer"]["sizes"]
+    assert set(sizes) == {"1"}
+    assert sizes["1"]["nbytes"] == 1 << 20
+    for key in ("shm_ms", "inline_ms", "inline_over_shm"):
+        _check_summary(sizes["1"][key])
+    cfg = results["cfg"]
+    assert cfg["cfg_parallel_active_on_both_ranks"] is True
+    for series in cfg["latency_ms"].values():
+        _check_summary(series)
+    _check_summary(cfg["speedup"])
+    assert "| part" in out
+
+
+def test_overlap_helpers() -> None:
+    assert ideal_overlap_speedup(20.0, 5.0) == pytest.approx(1.25)
+    assert ideal_overlap_speedup(10.0, 10.0) == pytest.approx(2.0)
+    assert ideal_overlap_speedup(0.0, 0.0) == 1.0
+    assert overlap_gain_fraction(1.2, 1.25) == pytest.approx(0.8)
+    assert overlap_gain_fraction(1.1, 1.0) != overlap_gain_fraction(1.1, 1.0)  # NaN
+
+
+def test_step_draws_are_seeded_and_from_the_mix() -> None:
+    draws = draw_steps((4, 10, 30), 48, 3, seed=0)
+    assert draws == draw_steps((4, 10, 30), 48, 3, seed=0)
+    assert len(draws) == 3 and all(len(d) == 48 for d in draws)
+    assert {s for d in draws for s in d} == {4, 10, 30}
 
 
 def test_an_unknown_model_is_a_usage_error(

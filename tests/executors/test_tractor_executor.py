@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -592,7 +593,7 @@ async def test_no_worker_outlives_a_killed_root(
 ) -> None:
     """Only the root's pid is signalled (plain ``kill``, systemd ``KillMode=process``).
     SIGTERM: the executor stops its workers gracefully, then the root dies of the SIGTERM.
-    SIGKILL: each worker's PR_SET_PDEATHSIG takes it down with the root."""
+    SIGKILL: each worker's parent-process watch takes it down with the root."""
     sig = signal.Signals[signame]
     script = tmp_path / "root.py"
     script.write_text(textwrap.dedent(ROOT_SCRIPT))
@@ -756,3 +757,24 @@ async def test_a_worker_that_exits_mid_forward_is_reported_with_its_exit_code(
         await wait_until_gone([pid], timeout=5.0)
     assert executor.worker_exit_codes() == {0: ECHO_EXIT_CODE}
     assert list_our_segments() == []
+
+
+async def test_workers_outlive_the_helper_thread_that_spawned_them(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trio forks workers from cached helper threads that retire when idle; a worker must be
+    tied to the engine *process*, not to that thread (PR_SET_PDEATHSIG would kill it)."""
+    from trio._core import _thread_cache
+
+    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 0.2)  # retire idle helpers fast
+
+    def helper_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("Trio thread")]
+
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir) as engine:
+            pid = worker_pids(engine)[0]
+            await poll_until(lambda: not helper_threads())  # the spawning thread is gone
+            out = await engine.generate("p", params(seed=9), request_id="later")
+            assert _running(pid)
+    assert decode_echo_image(out.images[0]) == ("later", 9, 0)
