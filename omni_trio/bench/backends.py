@@ -55,10 +55,12 @@ from .harness import (
     Progress,
     Report,
     Summary,
+    csv_arg,
     load_average,
     machine_info,
     pair_differences,
     pair_ratios,
+    positive_ints_arg,
     run_interleaved_async,
 )
 
@@ -71,12 +73,8 @@ SEED = 1234
 MIB = 1 << 20
 
 
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
 def _parts(text: str) -> tuple[str, ...]:
-    parts = _csv(text)
+    parts = csv_arg(text)
     bad = [p for p in parts if p not in PARTS]
     if not parts or bad:
         raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}; got {text!r}")
@@ -84,20 +82,10 @@ def _parts(text: str) -> tuple[str, ...]:
 
 
 def _backends(text: str) -> tuple[str, ...]:
-    names = _csv(text)
+    names = csv_arg(text)
     if not names or any(n not in ("inproc", "tractor") for n in names):
         raise argparse.ArgumentTypeError(f"backends are inproc and tractor; got {text!r}")
     return names
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in _csv(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transfer part")
     g.add_argument(
         "--transfer-sizes-mb",
-        type=_sizes,
+        type=positive_ints_arg,
         default=None,
         help="payload sizes in MiB (default 1,16,64; --quick: 1)",
     )

@@ -424,3 +424,21 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def csv_arg(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated names (blanks dropped)."""
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def positive_ints_arg(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers."""
+    import argparse
+
+    try:
+        values = tuple(int(v) for v in csv_arg(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values

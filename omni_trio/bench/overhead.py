@@ -38,10 +38,12 @@ from .harness import (
     Progress,
     Report,
     Summary,
+    csv_arg,
     load_average,
     machine_info,
     pair_differences,
     pair_ratios,
+    positive_ints_arg,
     run_interleaved_async,
 )
 
@@ -57,27 +59,13 @@ ECHO_RPS_TARGET = 2000.0
 SEED = 1234
 
 
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def _int_csv(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in _csv(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir", default=None, help="model cache (default $OMNI_TRIO_CACHE or ~/.cache)"
     )
     parser.add_argument(
         "--models",
-        type=_csv,
+        type=csv_arg,
         default=DEFAULT_MODELS,
         help="diffusers models to compare (default builtin:tiny-sd,builtin:tiny-ddim); "
         "'none' to skip",
@@ -110,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--echo-concurrency", type=int, default=64)
     parser.add_argument(
         "--echo-max-num-seqs",
-        type=_int_csv,
+        type=positive_ints_arg,
         default=(1, 16, 64),
         help="engines to compare at concurrency 64 (default 1,16,64)",
     )

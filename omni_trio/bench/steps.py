@@ -41,6 +41,7 @@ from .harness import (
     machine_info,
     pair_ratios,
     percentile,
+    positive_ints_arg,
     run_interleaved_async,
 )
 
@@ -52,16 +53,6 @@ MODES = ("step", "request")
 SEED = 1234
 
 
-def _int_csv(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir", default=None, help="model cache (default $OMNI_TRIO_CACHE or ~/.cache)"
@@ -69,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="builtin:tiny-sd", help="default builtin:tiny-sd")
     parser.add_argument(
         "--steps-mix",
-        type=_int_csv,
+        type=positive_ints_arg,
         default=None,
         help="step counts to draw from, uniformly (default 4,10,30; --quick: 1,2,3)",
     )

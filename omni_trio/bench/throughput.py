@@ -31,22 +31,13 @@ from .harness import (
     load_average,
     machine_info,
     pair_ratios,
+    positive_ints_arg,
     run_interleaved_async,
 )
 
 __all__ = ["add_arguments", "run"]
 
 SEED = 1234
-
-
-def _int_csv(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -65,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="client tasks (default 16)")
     parser.add_argument(
         "--max-num-seqs",
-        type=_int_csv,
+        type=positive_ints_arg,
         default=(1,),
         help="comma-separated; one engine per value (default 1)",
     )
