@@ -258,17 +258,26 @@ class TractorExecutor(Executor):
                     with trio.CancelScope() as group_scope:
                         self._group_scope = group_scope
                         async with trio.open_nursery() as links:
+                            # Workers start concurrently; the first startup failure wins
+                            # (every rank usually fails the same way, e.g. a bad model).
+                            startup_errors: list[Exception] = []
 
-                            async def start_one(rank: int) -> None:
-                                portal = await actors.start_actor(
-                                    f"omni-trio-worker-{rank}-{self._tag}",
-                                    enable_modules=[WORKER_MODULE],
-                                )
-                                await links.start(self._serve_link, actors, rank, portal)
+                            async def start_one(rank: int, starters: trio.Nursery) -> None:
+                                try:
+                                    portal = await actors.start_actor(
+                                        f"omni-trio-worker-{rank}-{self._tag}",
+                                        enable_modules=[WORKER_MODULE],
+                                    )
+                                    await links.start(self._serve_link, actors, rank, portal)
+                                except Exception as exc:
+                                    startup_errors.append(exc)
+                                    starters.cancel_scope.cancel()
 
                             async with trio.open_nursery() as starters:
                                 for rank in range(self.config.num_workers):
-                                    starters.start_soon(start_one, rank)
+                                    starters.start_soon(start_one, rank, starters)
+                            if startup_errors:
+                                raise startup_errors[0]
                             info = self._ready_info
                             self.model_info = ModelInfo(**info)
                             if self._pump is not None:
