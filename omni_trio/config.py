@@ -158,7 +158,7 @@ class EngineConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
         """Build from a mapping; unknown keys raise :class:`InvalidConfigError` naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(key) for key in set(data) - known)
         if unknown:
             raise InvalidConfigError(
                 f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]

@@ -245,3 +245,9 @@ def test_torch_threads_divides_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert default_torch_threads(1) == 1
     assert EngineConfig(num_workers=4, torch_threads=3).resolved_torch_threads == 3
+
+
+def test_from_dict_with_a_non_string_key_names_it() -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig.from_dict({1: "x", "model": "builtin:echo"})
+    assert info.value.field == "1"
