@@ -43,6 +43,11 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
 
 
+def _nonneg_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidConfigError(f"{name} must be an integer >= 0, got {value!r}", field=name)
+
+
 def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -103,6 +108,19 @@ class EngineConfig:
     # no denoising-step progress for worker_stall_timeout_s is hung (None: never).
     worker_heartbeat_timeout_s: float = 30.0
     worker_stall_timeout_s: float | None = 300.0
+    # Supervision (see docs/user-guide.md#supervision): a failed worker group is restarted
+    # with exponential backoff (worker_restart_backoff_s, doubling, at most
+    # worker_restart_backoff_max_s) while fewer than max_worker_restarts restarts happened in
+    # the last worker_restart_window_s; past that the engine is dead.  A request in flight
+    # when its group failed runs again (same seed) up to max_retries_on_worker_failure times.
+    max_worker_restarts: int = 5
+    worker_restart_window_s: float = 60.0
+    worker_restart_backoff_s: float = 0.05
+    worker_restart_backoff_max_s: float = 5.0
+    max_retries_on_worker_failure: int = 1
+    # Accept fault-injection requests (``omni_trio.testing.faults``) in extra_args.  Off by
+    # default: a production engine never lets a request crash its workers on purpose.
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -136,6 +154,11 @@ class EngineConfig:
         _nonneg_float("close_timeout_s", self.close_timeout_s)
         _nonneg_float("worker_heartbeat_timeout_s", self.worker_heartbeat_timeout_s)
         _nonneg_float("worker_stall_timeout_s", self.worker_stall_timeout_s, allow_none=True)
+        _nonneg_int("max_worker_restarts", self.max_worker_restarts)
+        _nonneg_int("max_retries_on_worker_failure", self.max_retries_on_worker_failure)
+        _nonneg_float("worker_restart_window_s", self.worker_restart_window_s)
+        _nonneg_float("worker_restart_backoff_s", self.worker_restart_backoff_s)
+        _nonneg_float("worker_restart_backoff_max_s", self.worker_restart_backoff_max_s)
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
@@ -147,6 +170,7 @@ class EngineConfig:
             "warmup",
             "async_output",
             "cfg_parallel",
+            "fault_injection",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool", field=name)

@@ -12,7 +12,8 @@ Every error the runtime raises on purpose is one of these::
     ├── EngineDeadError                      something outside failed; the engine is dead ("broken")
     ├── InvalidTransition                    an illegal lifecycle move (a bug, never user input)
     ├── WorkerError                          a worker failed; boxed type name, worker id, traceback
-    └── StallError                           a bounded wait ran out; names the phase that stalled
+    ├── StallError                           a bounded wait ran out; names the phase that stalled
+    └── RestartLimitError                    a supervisor gave up: too many restarts in its window
 
 Keep *closed* ("you closed it") apart from *dead* ("something outside broke"), as trio keeps
 ``ClosedResourceError`` apart from ``BrokenResourceError``.
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "RETRYABLE_ERROR_TYPES",
     "DuplicateRequestError",
     "EngineClosedError",
     "EngineDeadError",
@@ -33,9 +35,15 @@ __all__ = [
     "OmniTrioError",
     "RequestAbortedError",
     "RequestFailedError",
+    "RestartLimitError",
     "StallError",
     "WorkerError",
 ]
+
+
+# error_type of a request that failed because its worker group failed (retries used up):
+# the request itself was fine.
+RETRYABLE_ERROR_TYPES = frozenset({"WorkerFailedError", "StallError"})
 
 
 class OmniTrioError(Exception):
@@ -82,6 +90,13 @@ class RequestFailedError(OmniTrioError):
         self.request_id = request_id
         self.error = message
         self.error_type = error_type
+
+    @property
+    def retryable(self) -> bool:
+        """True when the failure was the runtime's, not the request's (its worker group
+        failed or stalled and the retry budget ran out): the same request may succeed if
+        submitted again."""
+        return self.error_type in RETRYABLE_ERROR_TYPES
 
 
 class EngineClosedError(OmniTrioError):
@@ -135,3 +150,29 @@ class StallError(OmniTrioError, TimeoutError):
     def __init__(self, phase: str, message: str) -> None:
         super().__init__(f"{phase} stalled: {message}")
         self.phase = phase
+
+
+class RestartLimitError(OmniTrioError):
+    """A supervisor gave up: ``child`` failed more than ``max_restarts`` times within
+    ``window_s`` seconds.  ``last_error`` is the failure that crossed the limit (also the
+    ``__cause__``); ``restarts`` is how many restarts the supervisor had made."""
+
+    def __init__(
+        self,
+        child: str,
+        *,
+        restarts: int,
+        max_restarts: int,
+        window_s: float,
+        last_error: BaseException | None = None,
+    ) -> None:
+        last = f": {type(last_error).__name__}: {last_error}" if last_error is not None else ""
+        super().__init__(
+            f"{child} failed more than {max_restarts} time(s) in {window_s:g} s "
+            f"(restarts made: {restarts}){last}"
+        )
+        self.child = child
+        self.restarts = restarts
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.last_error = last_error

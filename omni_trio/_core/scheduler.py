@@ -8,6 +8,7 @@ Its owner (the engine loop) feeds it events and carries out its decisions::
     update_from_output(out, results, now)-> ids that reached a terminal state
     finish_requests(ids, status, ...)    -> ids that reached a terminal state (abort, errors)
     preempt_request(id)                  -> RUNNING back to the front of the queue
+    requeue_request(request, now)        -> a lost finished compute, back to the front
     pop_request_state(id)                -> the terminal state, removed for good
 
 Admission is strict FIFO with head-of-line blocking: an incompatible head stops admission and
@@ -203,6 +204,36 @@ class Scheduler:
             self._wave_key = None
         self._enqueue(state, front=True)
         return True
+
+    def requeue_request(
+        self,
+        request: DiffusionRequest,
+        now: float,
+        *,
+        queued_at: float | None = None,
+        first_scheduled_at: float | None = None,
+    ) -> RequestState:
+        """Re-admit a request whose finished compute was lost (its worker group failed
+        while the output was being packed): PREEMPTED at the front of the queue, so it runs
+        again before anything admitted after it.  Its earlier state must have been popped.
+
+        Raises :class:`DuplicateRequestError` while the id still has state here.
+        """
+        rid = request.request_id
+        if rid in self._states:
+            raise DuplicateRequestError(rid)
+        state = RequestState(
+            request=request,
+            queued_at=now if queued_at is None else queued_at,
+            status=_S.PREEMPTED,
+            history=[_S.RUNNING, _S.PREEMPTED],
+        )
+        state.first_scheduled_at = first_scheduled_at
+        state.num_preemptions = 1
+        self._init_state(state)
+        self._states[rid] = state
+        self._enqueue(state, front=True)
+        return state
 
     def pop_request_state(self, request_id: str) -> RequestState | None:
         """Remove and return a terminal request's state (None if unknown).

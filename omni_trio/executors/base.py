@@ -17,6 +17,7 @@ import abc
 import importlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,7 +31,19 @@ from .result_pump import ResultPump, register_async_outputs
 if TYPE_CHECKING:
     from ..models import ModelInfo
 
-__all__ = ["Executor", "open_executor", "resolve_executor_class"]
+__all__ = ["Executor", "WorkerState", "open_executor", "resolve_executor_class"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """A snapshot of one worker: ``state`` is ``"running"``, ``"failed"`` (its group failed
+    closed), ``"stopped"`` (closed), or, as reported by the engine between two groups,
+    ``"restarting"``."""
+
+    rank: int
+    state: str
+    pid: int | None = None
+    steps: int | None = None
 
 
 class Executor(abc.ABC):
@@ -43,6 +56,7 @@ class Executor(abc.ABC):
         # Set by backends with async output: the reader of OUTPUT_READY replies.
         self._pump: ResultPump | None = None
         self._closed = False
+        self._failed = trio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -128,6 +142,27 @@ class Executor(abc.ABC):
         """Fail closed: remember the first reason; every later call raises EngineDeadError."""
         if self._dead_reason is None:
             self._dead_reason = reason
+            self._failed.set()
+
+    async def wait_failed(self) -> BaseException:
+        """Return the failure once the group has failed closed (at once if it already has).
+
+        The engine's supervisor waits here to notice a worker dying while idle.  Cancelling
+        it is harmless.
+        """
+        await self._failed.wait()
+        assert self._dead_reason is not None
+        return self._dead_reason
+
+    def worker_states(self) -> list[WorkerState]:
+        """One entry per worker rank: its state and, where the backend knows them, its pid
+        and the denoising steps it has run.  Backends override this to say more."""
+        state = (
+            "failed"
+            if self._dead_reason is not None
+            else ("stopped" if self._closed else "running")
+        )
+        return [WorkerState(rank, state) for rank in range(self.config.num_workers)]
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the worker group failed, EngineClosedError if closed."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
 from ..worker.runner import StepProgress
 from ..worker.stop_flags import StopFlags
 from ..worker.worker import Worker
-from .base import Executor
+from .base import Executor, WorkerState
 from .result_pump import ResultPump, ThreadReplySender
 from .worker_thread import WorkerThread
 
@@ -146,12 +147,24 @@ class InprocExecutor(Executor):
         scheduler_output: SchedulerOutput,
     ) -> BatchRunnerOutput:
         ids = scheduler_output.scheduled_request_ids
+        stalled: list[StallError] = []
         try:
-            return await self._thread.run(
-                functools.partial(method, scheduler_output),
-                on_cancel=functools.partial(self.stop_flags.abort, ids),
-            )
-        except (trio.Cancelled, EngineClosedError):
+            async with trio.open_nursery() as nursery:
+                if self.config.worker_stall_timeout_s is not None:
+                    nursery.start_soon(self._watch_progress, nursery.cancel_scope, stalled)
+                result = await self._thread.run(
+                    functools.partial(method, scheduler_output),
+                    on_cancel=functools.partial(self.stop_flags.abort, ids),
+                )
+                nursery.cancel_scope.cancel()
+            if stalled:
+                raise stalled[0]
+            return result
+        except trio.Cancelled:
+            if stalled:
+                raise stalled[0] from None
+            raise
+        except EngineClosedError:
             raise
         except StallError as exc:
             self.fail(exc)
@@ -161,6 +174,35 @@ class InprocExecutor(Executor):
             # worker itself is broken.  Fail closed.
             self.fail(exc)
             raise EngineDeadError(f"worker 0 failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _watch_progress(self, forward: trio.CancelScope, stalled: list[StallError]) -> None:
+        """A forward with no denoising-step progress for ``worker_stall_timeout_s`` is hung:
+        fail closed (INV-6), ask everything to stop and cancel the forward's wait.  The
+        worker thread gets ``close_timeout_s`` to come back before the wait gives up."""
+        timeout = self.config.worker_stall_timeout_s
+        assert timeout is not None
+        worker = self._worker
+        if worker is None:
+            return
+        poll = min(1.0, max(timeout / 4, 0.01))
+        last_steps = worker.steps_done
+        last_change = trio.current_time()
+        while True:
+            await trio.sleep(poll)
+            steps = worker.steps_done
+            now = trio.current_time()
+            if steps != last_steps:
+                last_steps, last_change = steps, now
+                continue
+            if now - last_change > timeout:
+                error = StallError(
+                    "forward", f"worker 0: no step progress in {now - last_change:.1f} s"
+                )
+                stalled.append(error)
+                self.fail(error)
+                self.stop_flags.stop_everything()
+                forward.cancel()
+                return
 
     async def collective_rpc(
         self,
@@ -188,3 +230,9 @@ class InprocExecutor(Executor):
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         return self._progress.get(request_id)
+
+    def worker_states(self) -> list[WorkerState]:
+        (entry,) = super().worker_states()
+        worker = self._worker
+        steps = worker.steps_done if worker is not None else None
+        return [WorkerState(0, entry.state, pid=os.getpid(), steps=steps)]

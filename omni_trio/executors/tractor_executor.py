@@ -41,7 +41,7 @@ from .._core.messages import AsyncOutput, BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ..ipc import SegmentRegistry
-from .base import Executor
+from .base import Executor, WorkerState
 from .result_pump import ResultPump
 
 __all__ = ["TractorExecutor"]
@@ -655,6 +655,20 @@ class TractorExecutor(Executor):
     def progress(self, request_id: str) -> tuple[int, int] | None:
         link = self._links.get(0)
         return link.progress.get(request_id) if link is not None else None
+
+    def worker_states(self) -> list[WorkerState]:
+        base = super().worker_states()
+        out = []
+        for entry in base:
+            link = self._links.get(entry.rank)
+            if link is None:
+                out.append(entry)
+                continue
+            state = entry.state
+            if link.exit_code is not None and state == "running":
+                state = "failed"
+            out.append(WorkerState(entry.rank, state, pid=link.pid, steps=link.steps))
+        return out
 
     def worker_pids(self) -> dict[int, int]:
         """rank -> pid of every worker process."""

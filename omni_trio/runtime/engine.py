@@ -6,8 +6,17 @@ executor::
     wait for work -> run queued RPCs -> (admission wait) -> schedule -> execute -> update -> emit
 
 Control RPCs run between batches, never during one.  An execution error becomes a per-request
-error output and the loop goes on; a scheduler failure or a dead executor kills the engine:
-every open stream gets a terminal error and later calls raise :class:`EngineDeadError`.
+error output and the loop goes on.
+
+Supervision (DESIGN.md section 5): the worker group (the executor) is the one child of a
+``one_for_all`` :class:`~omni_trio.supervisor.Supervisor`.  When the group fails closed (a
+worker died, hung or raised a fatal error) the loop recovers its in-flight requests -- each
+goes back to the front of the queue as PREEMPTED while its retry budget
+(``max_retries_on_worker_failure``) lasts, and otherwise ends FINISHED_ERROR with the
+retryable error type ``WorkerFailedError`` -- while the supervisor restarts the group with
+backoff.  Waiting requests stay queued.  Past the restart-intensity limit, or on a scheduler
+failure, the engine dies: every open stream gets a terminal error and later calls raise
+:class:`EngineDeadError`.
 
 Every method here runs on the engine's trio thread.  Methods that change scheduler state
 (admission, abort) are synchronous critical sections: they never checkpoint, so they cannot
@@ -42,6 +51,7 @@ from .._core.messages import (
 )
 from .._core.request import DiffusionRequest, SamplingParams, validate_request
 from .._core.scheduler import RequestScheduler, Scheduler, StepScheduler
+from .._core.trace import TraceKind, TraceRecorder
 from ..config import EngineConfig
 from ..errors import (
     DuplicateRequestError,
@@ -50,14 +60,18 @@ from ..errors import (
     InvalidRequestError,
     RequestAbortedError,
     RequestFailedError,
+    RestartLimitError,
     StallError,
+    WorkerError,
 )
-from ..executors.base import Executor, open_executor
+from ..executors.base import Executor, WorkerState, open_executor
+from ..supervisor import ChildSpec, RestartPolicy, Strategy, Supervisor, SupervisorEvent
 from .request_stream import RequestStream
 
 __all__ = [
     "WARMUP_REQUEST_ID",
     "AsyncEngine",
+    "EngineHealth",
     "EngineStatistics",
     "PhaseSummary",
     "open_engine",
@@ -68,6 +82,12 @@ log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "omni-trio-warmup"
 _TIMING_WINDOW = 1024
 _S = RequestStatus
+_K = TraceKind
+WORKER_FAILED = "WorkerFailedError"
+
+
+class _GroupFailed(Exception):
+    """Internal: the worker group failed closed during a call; the loop recovers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +127,44 @@ class EngineStatistics:
     open_streams: int
     dead: bool
     closed: bool
+    # Supervision: restarts of the worker group so far, requests sent back to the queue
+    # after a group failure, the group's state (starting, running, restarting, failed,
+    # stopped), each worker's state, and the last group failure ("Type: message").
+    restarts: int = 0
+    requeued: int = 0
+    worker_group: str = "running"
+    workers: tuple[WorkerState, ...] = ()
+    last_failure: str | None = None
     queue_wait: PhaseSummary = field(default_factory=PhaseSummary)
     execution: PhaseSummary = field(default_factory=PhaseSummary)
     postprocess: PhaseSummary = field(default_factory=PhaseSummary)
     end_to_end: PhaseSummary = field(default_factory=PhaseSummary)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """``AsyncEngine.health()``: never ``healthy`` while a worker is gone or restarting.
+
+    ``state`` is ``"ready"``, ``"starting"``, ``"restarting"``, ``"dead"`` or ``"closed"``;
+    ``reason`` says why it is not ready.
+    """
+
+    healthy: bool
+    state: str
+    reason: str | None
+    restarts: int
+    workers: tuple[WorkerState, ...]
+    last_failure: str | None
+
+
+@dataclass(eq=False)
+class _PendingOutput:
+    """A completed request whose payload is still being packed by ``executor``."""
+
+    state: RequestState
+    announced: RunnerOutput
+    executor: Executor
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 @dataclass(eq=False)
@@ -122,6 +176,8 @@ class _Handle:
     chunks_sent: int = 0
     # The total_chunks every preview of this stream announces; fixed at the first preview.
     total_chunks: int | None = None
+    # Times this request was sent back to the queue after its worker group failed.
+    retries: int = 0
 
 
 @dataclass(eq=False)
@@ -140,17 +196,18 @@ class _PendingRpc:
 class AsyncEngine:
     """The engine.  Create it with :func:`open_engine`; never construct it directly."""
 
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, *, trace: TraceRecorder | None = None) -> None:
         self.config = config
-        self.executor = executor
         self.scheduler: Scheduler = (
             StepScheduler(config.max_num_seqs)
             if config.step_execution
             else RequestScheduler(config.max_num_seqs, config.request_batch_max_wait_ms)
         )
+        self.trace = trace
         self._limits = config.request_limits
         self._step_mode = config.step_execution
         self._handles: dict[str, _Handle] = {}
+        self._pending: dict[str, _PendingOutput] = {}
         self._rpcs: deque[_PendingRpc] = deque()
         self._wake = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -161,6 +218,17 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._dead: BaseException | None = None
         self._admitted = 0
+        # Supervision: the current worker group, its generation (1 = the first group), and
+        # the generation whose failure the loop has already recovered from.
+        self._executor: Executor | None = None
+        self._generation = 0
+        self._recovered_generation = 0
+        self._group_changed = trio.Event()
+        self._group_state = "starting"
+        self._last_failure: str | None = None
+        self._last_failed_rank: int | None = None
+        self._requeued = 0
+        self._supervisor: Supervisor | None = None
         # Generated ids and seeds: random per engine, cheap per request.
         self._id_prefix = secrets.token_hex(4)
         self._id_counter = itertools.count(1)
@@ -174,11 +242,113 @@ class AsyncEngine:
             for k in ("queue_wait", "execution", "postprocess", "end_to_end")
         }
 
+    @property
+    def executor(self) -> Executor:
+        """The current worker group (a new object after each restart)."""
+        if self._executor is None:
+            raise EngineClosedError("the engine has no worker group yet")
+        return self._executor
+
+    def _record(
+        self,
+        kind: TraceKind,
+        request_id: str | None = None,
+        *,
+        step_id: int | None = None,
+        worker: int | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        trace = self.trace
+        if trace is not None:
+            trace.record(
+                trio.current_time(),
+                kind,
+                request_id,
+                step_id=step_id,
+                worker=worker,
+                detail=detail,
+            )
+
+    # -- supervision ---------------------------------------------------------------------
+
+    def _restart_policy(self) -> RestartPolicy:
+        c = self.config
+        return RestartPolicy(
+            max_restarts=c.max_worker_restarts,
+            window_s=c.worker_restart_window_s,
+            backoff_s=c.worker_restart_backoff_s,
+            backoff_max_s=max(c.worker_restart_backoff_s, c.worker_restart_backoff_max_s),
+        )
+
+    async def _serve_worker_group(
+        self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The supervised child: one executor (the whole worker group, restarted as one --
+        a collective group is never partially restarted).  Runs until the group fails
+        closed, then raises its failure so the supervisor restarts it.  Cancellation closes
+        the group (bounded)."""
+        async with open_executor(self.config) as executor:
+            self._install(executor)
+            task_status.started(executor)
+            reason = await executor.wait_failed()
+        if self._closed or self._dead is not None:
+            return  # failed while the engine closes: nothing to restart
+        if isinstance(reason, Exception):
+            raise reason
+        raise WorkerError(f"worker group failed: {reason!r}")  # pragma: no cover
+
+    def _install(self, executor: Executor) -> None:
+        first = self._executor is None
+        if not first and executor.model_info is not None and self._executor is not None:
+            old = self._executor.model_info
+            if old is not None and old != executor.model_info:
+                log.warning("the restarted worker group reports different model info")
+        self._executor = executor
+        self._generation += 1
+        self._group_state = "running"
+        if not first:
+            self._record(_K.RESTART, detail={"generation": self._generation})
+            log.warning("worker group restarted (generation %d)", self._generation)
+        self._group_changed.set()
+        self._group_changed = trio.Event()
+        self._wake.set()
+
+    def _on_supervisor_event(self, event: SupervisorEvent) -> None:
+        if event.kind in ("failed", "exited"):
+            error = event.error
+            self._group_state = "restarting"
+            self._last_failure = (
+                f"{type(error).__name__}: {error}" if error is not None else "worker group exited"
+            )
+            rank = getattr(error, "worker", None)
+            self._last_failed_rank = rank if isinstance(rank, int) else None
+            self._wake.set()  # an idle loop recovers at once
+        elif event.kind == "restarting":
+            self._group_state = "restarting"
+        elif event.kind == "gave_up":
+            self._group_state = "failed"
+
+    async def _run_supervisor(
+        self,
+        supervisor: Supervisor,
+        *,
+        task_status: TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the worker-group supervisor; past its restart limit the engine dies."""
+        try:
+            await supervisor.serve(task_status=task_status)
+        except RestartLimitError as exc:
+            log.error("engine dead: %s", exc)
+            self._die(exc)
+
     # -- the loop ------------------------------------------------------------------------
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The busy loop.  Runs until cancelled (by :meth:`aclose`) or the engine dies."""
+        """Start the supervised worker group, then run the busy loop until cancelled (by
+        :meth:`aclose`) or until the engine dies.  A worker group that fails to start the
+        first time raises here (nothing is retried: that is a configuration error)."""
         self._token = trio.lowlevel.current_trio_token()
+        started = False
         try:
             with trio.CancelScope() as scope:
                 self._loop_scope = scope
@@ -186,24 +356,53 @@ class AsyncEngine:
                     # Tasks that wait for async outputs (packed after their forward) live
                     # here, so cancelling the loop cancels them too.
                     self._deliveries = nursery
+                    self._supervisor = Supervisor(
+                        [ChildSpec("worker-group", self._serve_worker_group, restart="transient")],
+                        strategy=Strategy.ONE_FOR_ALL,
+                        policy=self._restart_policy(),
+                        name="engine",
+                        on_event=self._on_supervisor_event,
+                    )
+                    await nursery.start(self._run_supervisor, self._supervisor)
+                    started = True
+                    # From now on only aclose() (or death) ends the loop and the workers: a
+                    # cancellation from outside must not tear the worker group down
+                    # abruptly while open_engine's exit closes it gracefully.
+                    scope.shield = True
                     task_status.started()
                     await self._run_loop()
-        except Exception as exc:  # a scheduler bug or a dead executor
+        except Exception as exc:  # a scheduler bug
+            if not started:
+                raise
             log.exception("engine loop failed")
             self._die(exc)
         finally:
             self._loop_done.set()
 
+    def _group_failed(self) -> bool:
+        executor = self._executor
+        return executor is not None and executor.is_dead and not self._closed
+
     async def _run_loop(self) -> None:
         scheduler = self.scheduler
         while True:
+            if self._group_failed():
+                await self._recover()
+                continue
             while not scheduler.has_unfinished_requests() and not self._rpcs:
+                if self._group_failed():
+                    break
                 if self._step_mode and scheduler.has_finished_to_report():
                     # Let the workers evict step state of requests that ended while idle.
-                    await self._execute(scheduler.schedule(trio.current_time()))
+                    try:
+                        await self._execute(scheduler.schedule(trio.current_time()))
+                    except _GroupFailed:
+                        break
                     continue
                 self._wake = trio.Event()
                 await self._wake.wait()
+            if self._group_failed():
+                continue
             await self._run_rpcs()
             if not scheduler.has_unfinished_requests():
                 continue
@@ -211,16 +410,19 @@ class AsyncEngine:
                 self._wake = trio.Event()
                 with trio.move_on_at(deadline):
                     await self._wake.wait()
-                if self._rpcs:
+                if self._rpcs or self._group_failed():
                     break
-            if self._rpcs:
+            if self._rpcs or self._group_failed():
                 continue  # RPCs go first; schedule on the next turn
             sched_out = scheduler.schedule(trio.current_time())
             if sched_out.is_empty:
                 if scheduler.num_running == 0:
                     await trio.lowlevel.checkpoint()
                 continue
-            runner_out = await self._execute(sched_out)
+            try:
+                runner_out = await self._execute(sched_out)
+            except _GroupFailed:
+                continue  # the scheduled requests are still RUNNING: recovery requeues them
             finished = scheduler.update_from_output(sched_out, runner_out, trio.current_time())
             if self._step_mode:
                 self._emit_chunks(sched_out, runner_out, set(finished))
@@ -229,19 +431,99 @@ class AsyncEngine:
 
     async def _execute(self, sched_out: SchedulerOutput) -> BatchRunnerOutput:
         executor = self.executor
+        trace = self.trace
+        if trace is not None:
+            for rid in sched_out.scheduled_request_ids:
+                self._record(_K.SCHEDULE, rid, step_id=sched_out.step_id)
+                self._record(_K.EXEC_START, rid, step_id=sched_out.step_id, worker=0)
         try:
             if self.config.step_execution:
-                return await executor.execute_step(sched_out)
-            return await executor.execute_batch(sched_out)
-        except (trio.Cancelled, StallError):
+                result = await executor.execute_step(sched_out)
+            else:
+                result = await executor.execute_batch(sched_out)
+        except trio.Cancelled:
             raise
         except Exception as exc:
             if executor.is_dead:
+                raise _GroupFailed() from exc
+            if isinstance(exc, StallError):
                 raise
             log.warning("execution of %s failed", sched_out.scheduled_request_ids, exc_info=True)
-            return BatchRunnerOutput.from_list(
+            result = BatchRunnerOutput.from_list(
                 [RunnerOutput.from_exception(rid, exc) for rid in sched_out.scheduled_request_ids]
             )
+        if trace is not None:
+            for out in result:
+                if out.error is not None:
+                    outcome = "error"
+                elif out.aborted:
+                    outcome = "aborted"
+                elif out.images is None and out.async_output_id:
+                    outcome = "pending"
+                else:
+                    outcome = "ok"
+                self._record(
+                    _K.EXEC_RESULT,
+                    out.request_id,
+                    step_id=sched_out.step_id,
+                    worker=0,
+                    detail={"outcome": outcome},
+                )
+        return result
+
+    async def _recover(self) -> None:
+        """The worker group failed: requeue or fail its in-flight requests (once per
+        group), then wait until the supervisor installed a new group (or the engine died,
+        which cancels this wait)."""
+        executor = self.executor
+        generation = self._generation
+        if self._recovered_generation != generation:
+            self._recovered_generation = generation
+            reason = executor.dead_reason
+            self._group_state = "restarting"
+            if reason is not None:
+                self._last_failure = f"{type(reason).__name__}: {reason}"
+            rank = getattr(reason, "worker", None)
+            self._record(
+                _K.CRASH,
+                worker=rank if isinstance(rank, int) else None,
+                detail={
+                    "generation": generation,
+                    "error_type": type(reason).__name__,
+                    "error": str(reason),
+                },
+            )
+            if isinstance(reason, StallError):
+                self._record(_K.STALL, detail={"phase": reason.phase, "error": str(reason)})
+            self._requeue_or_fail(self.scheduler.running_request_ids(), reason)
+        while self._generation == generation:
+            await self._group_changed.wait()
+
+    def _requeue_or_fail(self, request_ids: Iterable[str], reason: BaseException | None) -> None:
+        """Requests that were running on a failed group: back to the front of the queue
+        (reverse order keeps their order) while retries last; else FINISHED_ERROR."""
+        now = trio.current_time()
+        failed: list[str] = []
+        budget = self.config.max_retries_on_worker_failure
+        for rid in reversed(tuple(request_ids)):
+            handle = self._handles.get(rid)
+            if handle is not None and handle.retries < budget:
+                handle.retries += 1
+                self._requeued += 1
+                self.scheduler.preempt_request(rid, reset_progress=True)
+                self._record(_K.REQUEUE, rid, detail={"retry": handle.retries})
+            else:
+                failed.append(rid)
+        if failed:
+            message = (
+                f"the worker group failed while this request ran "
+                f"({type(reason).__name__}: {reason}); retries exhausted"
+            )
+            done = self.scheduler.finish_requests(
+                reversed(failed), _S.FINISHED_ERROR, now, error=message, error_type=WORKER_FAILED
+            )
+            self._emit_finished(done)
+        self._wake.set()
 
     async def _run_rpcs(self) -> None:
         while self._rpcs:
@@ -298,6 +580,7 @@ class AsyncEngine:
                 total_chunks=handle.total_chunks,
             )
             handle.chunks_sent += 1
+            self._record(_K.CHUNK, rid, detail={"chunk_index": output.chunk_index})
             try:
                 handle.send.send_nowait(output)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -335,35 +618,53 @@ class AsyncEngine:
             and runner.images is None
         ):
             # Compute is done; the payload is still being packed.  Deliver when it is ready.
+            executor = self.executor
             if rid not in self._handles or self._deliveries is None:
-                self.executor.drop_output(runner.async_output_id)
-                self._uncounted.discard(rid)
+                executor.drop_output(runner.async_output_id)
+                self._deliver_output(state, None, _S.FINISHED_ABORTED)
                 return
-            self._deliveries.start_soon(self._deliver_when_packed, state, runner)
+            pending = _PendingOutput(state, runner, executor)
+            self._pending[rid] = pending
+            self._deliveries.start_soon(self._deliver_when_packed, pending)
             return
         self._deliver_output(state, runner, state.status)
 
-    async def _deliver_when_packed(self, state: RequestState, announced: RunnerOutput) -> None:
-        """Wait for an async output, then deliver the terminal output.  A packing failure or
-        an output that never comes (StallError) ends the request with an error."""
+    async def _deliver_when_packed(self, pending: _PendingOutput) -> None:
+        """Wait for an async output, then deliver the terminal output.
+
+        A packing failure or an output that never comes (StallError) ends the request with
+        an error.  If the worker group died with the output in flight, the request goes back
+        to the queue while its retry budget lasts.  If the request is aborted meanwhile
+        (``pending.scope`` cancelled), the output is dropped and nothing more happens here.
+        """
+        state, announced, executor = pending.state, pending.announced, pending.executor
+        rid = state.request_id
         key = announced.async_output_id
         assert key is not None
-        try:
-            packed = await self.executor.wait_output(key)
-        except trio.Cancelled:
-            self.executor.drop_output(key)
-            raise
-        except Exception as exc:
-            if self.executor.is_dead:
-                # The worker group died with the output in flight: like every other open
-                # stream, this one ends because the engine died.
-                packed = RunnerOutput(
-                    state.request_id,
-                    error=f"engine died: {type(exc).__name__}: {exc}",
-                    error_type="EngineDeadError",
-                )
-            else:
-                packed = RunnerOutput.from_exception(state.request_id, exc)
+        with pending.scope:
+            try:
+                packed = await executor.wait_output(key)
+            except trio.Cancelled:
+                executor.drop_output(key)
+                raise
+            except Exception as exc:
+                if executor.is_dead:
+                    if self._pending.get(rid) is pending and self._retry_lost_output(pending):
+                        return
+                    packed = RunnerOutput(
+                        rid,
+                        error=(
+                            f"the worker group failed while this request's output was packed "
+                            f"({type(exc).__name__}: {exc}); retries exhausted"
+                        ),
+                        error_type=WORKER_FAILED,
+                    )
+                else:
+                    packed = RunnerOutput.from_exception(rid, exc)
+        if pending.scope.cancelled_caught or self._pending.get(rid) is not pending:
+            executor.drop_output(key)
+            return  # aborted or ended by close/death meanwhile: it has had its terminal output
+        del self._pending[rid]
         timings = {**announced.timings, **packed.timings}
         packed = dataclasses.replace(packed, timings=timings)
         if packed.error is not None or packed.images is None:
@@ -373,14 +674,46 @@ class AsyncEngine:
         else:
             self._deliver_output(state, packed, _S.FINISHED_COMPLETED)
 
+    def _retry_lost_output(self, pending: _PendingOutput) -> bool:
+        """The output of a finished compute was lost with its worker group: run the request
+        again (same seed, so the same image) if its retry budget allows.  Returns True if
+        it was requeued."""
+        state = pending.state
+        rid = state.request_id
+        handle = self._handles.get(rid)
+        if (
+            handle is None
+            or handle.retries >= self.config.max_retries_on_worker_failure
+            or self._closed
+            or self._dead is not None
+        ):
+            return False
+        del self._pending[rid]
+        handle.retries += 1
+        self._requeued += 1
+        self.scheduler.requeue_request(
+            state.request,
+            trio.current_time(),
+            queued_at=state.queued_at,
+            first_scheduled_at=state.first_scheduled_at,
+        )
+        self._record(_K.REQUEUE, rid, detail={"retry": handle.retries})
+        self._wake.set()
+        return True
+
     def _deliver_output(
         self, state: RequestState, runner: RunnerOutput | None, status: RequestStatus
     ) -> None:
+        """The one terminal path of every request (INV-1, INV-3): count it, send its terminal
+        output (or drop it if the consumer is gone), close its stream, forget it."""
         rid = state.request_id
         counted = rid not in self._uncounted
         self._uncounted.discard(rid)
         if counted:
             self._finished_counts[status] += 1
+        if status is _S.FINISHED_ABORTED and state.error is None:
+            state.error = f"Request {rid} aborted."
+            state.error_type = "RequestAbortedError"
         images: tuple[Any, ...] = ()
         if status is _S.FINISHED_COMPLETED and runner is not None and runner.images:
             images = runner.images
@@ -390,25 +723,34 @@ class AsyncEngine:
             status=status,
             finished=True,
             images=images,
-            error=state.error,
-            error_type=state.error_type,
+            error=state.error if status is not _S.FINISHED_COMPLETED else None,
+            error_type=state.error_type if status is not _S.FINISHED_COMPLETED else None,
             seed=state.request.sampling.seed,
             metrics=metrics,
         )
+        self._record(
+            _K.TERMINAL, rid, detail={"status": status.name, "error_type": output.error_type}
+        )
         handle = self._handles.pop(rid, None)
         if handle is None:
-            return  # consumer already gone: the output is dropped, the state is cleaned
+            # Consumer already gone: the output is dropped, the state is cleaned.
+            self._record(_K.OUTPUT, rid, detail={"status": status.name, "delivered": False})
+            self._record(_K.CLEANUP, rid)
+            return
         if handle.chunks_sent:
             # The terminal output is always the last chunk.  For a completed request this is
             # what its previews announced; an aborted or failed one ends early.
             output = dataclasses.replace(
                 output, chunk_index=handle.chunks_sent, total_chunks=handle.chunks_sent + 1
             )
+        delivered = True
         try:
             handle.send.send_nowait(output)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+            delivered = False
         handle.send.close()
+        self._record(_K.OUTPUT, rid, detail={"status": status.name, "delivered": delivered})
+        self._record(_K.CLEANUP, rid)
 
     def _metrics(
         self,
@@ -504,9 +846,25 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._handles:
             raise DuplicateRequestError(rid)
-        self.scheduler.add_request(request, trio.current_time())
+        if not self.config.fault_injection and "faults" in request.sampling.extra_args:
+            raise InvalidRequestError(
+                "extra_args['faults'] asks for fault injection, which this engine does not "
+                "allow (EngineConfig.fault_injection=False)",
+                param="extra_args",
+            )
+        state = self.scheduler.add_request(request, trio.current_time())
         send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
         self._handles[rid] = _Handle(request, send)
+        if self.trace is not None:
+            self._record(
+                _K.ADMIT,
+                rid,
+                detail={
+                    "seed": request.sampling.seed,
+                    "steps": state.total_steps or request.sampling.total_steps,
+                    "mode": self.scheduler.mode,
+                },
+            )
         if rid == WARMUP_REQUEST_ID and self._warming:
             self._uncounted.add(rid)
         else:
@@ -601,8 +959,9 @@ class AsyncEngine:
             return
         handle = self._handles.pop(request_id, None)
         if handle is not None:
+            self._record(_K.CONSUMER_DROP, request_id)
             handle.send.close()
-            self.abort(request_id)
+            self._abort((request_id,), "consumer")
 
     # -- control -------------------------------------------------------------------------
 
@@ -613,16 +972,31 @@ class AsyncEngine:
         its terminal output at once too; its forward stops at the next step boundary (when
         all members of its fused batch are aborted) and any late result is dropped.
         """
+        self._abort(request_ids, "api")
+
+    def _abort(self, request_ids: Iterable[str], reason: str) -> None:
+        request_ids = tuple(request_ids)
         if not request_ids:
             return
+        if self.trace is not None:
+            for rid in request_ids:
+                if rid in self._handles or self.scheduler.get_request_state(rid) is not None:
+                    self._record(_K.ABORT, rid, detail={"reason": reason})
         running = set(self.scheduler.running_request_ids())
         finished = self.scheduler.finish_requests(
             request_ids, _S.FINISHED_ABORTED, trio.current_time()
         )
         stop = [rid for rid in finished if rid in running]
-        if stop:
-            self.executor.abort_requests(stop)
+        if stop and self._executor is not None:
+            self._executor.abort_requests(stop)
         self._emit_finished(finished)
+        # Compute done, output still being packed: drop the output and end it now.
+        for rid in request_ids:
+            pending = self._pending.pop(rid, None)
+            if pending is not None:
+                pending.scope.cancel()
+                pending.executor.drop_output(pending.announced.async_output_id or "")
+                self._deliver_output(pending.state, None, _S.FINISHED_ABORTED)
         self._wake.set()
 
     async def collective_rpc(
@@ -664,10 +1038,56 @@ class AsyncEngine:
         return self.executor.progress(request_id)
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if the engine or its workers failed, EngineClosedError if
-        it was closed; return None when healthy."""
+        """Return None when healthy.  Raise :class:`EngineDeadError` if the engine died,
+        :class:`EngineClosedError` if it was closed, and :class:`WorkerError` while its worker
+        group is failed or restarting (requests wait in the queue meanwhile)."""
         self._check_open()
-        self.executor.check_health()
+        executor = self._executor
+        if executor is None or executor.is_dead or self._group_state != "running":
+            dead = executor.dead_reason if executor is not None else None
+            if dead is not None:
+                state, reason = "restarting", f"{type(dead).__name__}: {dead}"
+            else:
+                state, reason = self._group_state, self._last_failure or "starting"
+            raise WorkerError(
+                f"worker group is {state}: {reason}",
+                worker=self._last_failed_rank,
+                error_type="WorkerGroupRestarting",
+            )
+
+    def _worker_states(self) -> tuple[WorkerState, ...]:
+        executor = self._executor
+        if executor is None:
+            return ()
+        states = executor.worker_states()
+        if executor.is_dead and self._dead is None and not self._closed:
+            states = [dataclasses.replace(w, state="restarting") for w in states]
+        return tuple(states)
+
+    def health(self) -> EngineHealth:
+        """A snapshot for readiness checks (no checkpoint, never raises)."""
+        restarts = self._supervisor.restarts if self._supervisor is not None else 0
+        reason: str | None
+        if self._dead is not None:
+            state, reason = "dead", f"{type(self._dead).__name__}: {self._dead}"
+        elif self._closed:
+            state, reason = "closed", "engine is closed"
+        elif self._executor is None:
+            state, reason = "starting", "the worker group is starting"
+        elif self._executor.is_dead or self._group_state != "running":
+            dead = self._executor.dead_reason
+            state = "restarting"
+            reason = f"{type(dead).__name__}: {dead}" if dead is not None else self._last_failure
+        else:
+            state, reason = "ready", None
+        return EngineHealth(
+            healthy=state == "ready",
+            state=state,
+            reason=reason,
+            restarts=restarts,
+            workers=self._worker_states(),
+            last_failure=self._last_failure,
+        )
 
     @property
     def is_closed(self) -> bool:
@@ -689,6 +1109,17 @@ class AsyncEngine:
             open_streams=len(self._handles),
             dead=self._dead is not None,
             closed=self._closed,
+            restarts=self._supervisor.restarts if self._supervisor is not None else 0,
+            requeued=self._requeued,
+            worker_group=(
+                "failed"
+                if self._dead is not None
+                else "stopped"
+                if self._closed
+                else self._group_state
+            ),
+            workers=self._worker_states(),
+            last_failure=self._last_failure,
             queue_wait=PhaseSummary.of(self._timings["queue_wait"]),
             execution=PhaseSummary.of(self._timings["execution"]),
             postprocess=PhaseSummary.of(self._timings["postprocess"]),
@@ -699,15 +1130,25 @@ class AsyncEngine:
 
     def _terminate_all(self, status: RequestStatus, message: str, error_type: str) -> None:
         live = self.scheduler.live_request_ids()
-        if live:
-            self.executor.abort_requests(live)
+        if live and self._executor is not None:
+            self._executor.abort_requests(live)
+        now = trio.current_time()
         finished = self.scheduler.finish_requests(
-            live, status, trio.current_time(), error=message, error_type=error_type
+            live, status, now, error=message, error_type=error_type
         )
         self._emit_finished(finished)
-        # Streams still open here wait for an async output: they end with this error too.
+        # Requests whose output is still being packed end with this error too.
+        for rid, pending in list(self._pending.items()):
+            del self._pending[rid]
+            pending.scope.cancel()
+            pending.executor.drop_output(pending.announced.async_output_id or "")
+            pending.state.error = message
+            pending.state.error_type = error_type
+            self._deliver_output(pending.state, None, status)
+        # Anything else still open (there should be nothing) ends the same way.
         for rid in list(self._handles):
             handle = self._handles.pop(rid)
+            log.error("stream of %s was open with no state; ending it", rid)
             try:
                 handle.send.send_nowait(
                     DiffusionOutput(
@@ -736,9 +1177,13 @@ class AsyncEngine:
         if self._dead is not None or self._closed:
             return
         self._dead = exc
+        self._group_state = "failed"
+        self._record(_K.DEAD, detail={"error": f"{type(exc).__name__}: {exc}"})
         self._terminate_all(
             _S.FINISHED_ERROR, f"engine died: {type(exc).__name__}: {exc}", "EngineDeadError"
         )
+        if self._loop_scope is not None:
+            self._loop_scope.cancel()
 
     async def aclose(self) -> None:
         """Close the engine; idempotent.
@@ -752,18 +1197,33 @@ class AsyncEngine:
                 await self._close_done.wait()
             return
         self._closed = True
+        self._record(_K.CLOSE)
         with trio.CancelScope(shield=True):
             try:
                 if self._dead is None:
                     self._terminate_all(
                         _S.FINISHED_ABORTED, "engine is closed", "EngineClosedError"
                     )
+                # Close the worker group gracefully first (each worker stops its forward at
+                # a step and exits); then stop the loop and the supervisor.
+                if self._executor is not None:
+                    await self._executor.aclose()
                 if self._loop_scope is not None:
                     self._loop_scope.cancel()
                     await self._loop_done.wait()
-                await self.executor.aclose()
             finally:
+                self._record(_K.CLOSED, detail={"leftovers": self._leftovers()})
                 self._close_done.set()
+
+    def _leftovers(self) -> dict[str, int]:
+        """What the engine still holds (all zero after a clean close; INV-3)."""
+        return {
+            "open_streams": len(self._handles),
+            "scheduler_states": len(self.scheduler.pending_finished_request_ids())
+            + len(self.scheduler.live_request_ids()),
+            "pending_outputs": len(self._pending),
+            "queued_rpcs": len(self._rpcs),
+        }
 
 
 def raise_for_status(output: DiffusionOutput) -> DiffusionOutput:
@@ -798,20 +1258,30 @@ async def _warmup(engine: AsyncEngine) -> None:
 
 @asynccontextmanager
 async def open_engine(
-    config: EngineConfig | None = None, **overrides: Any
+    config: EngineConfig | None = None,
+    *,
+    trace: TraceRecorder | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[AsyncEngine]:
-    """Start an engine (executor, workers, model, busy loop, warmup) and yield it when ready.
+    """Start an engine (supervised worker group, model, busy loop, warmup) and yield it when
+    ready.
 
-    ``overrides`` are ``EngineConfig`` fields applied on top of ``config``.  Leaving the block
-    for any reason closes the engine and cleans up everything (INV-3).  A warmup failure
-    closes the engine and raises ``RuntimeError`` from the original error.
+    ``overrides`` are ``EngineConfig`` fields applied on top of ``config``.  ``trace``
+    records every lifecycle event (see :mod:`omni_trio.testing`).  Leaving the block for any
+    reason closes the engine and cleans up everything (INV-3).  A worker group that cannot
+    start raises its error; a warmup failure closes the engine and raises ``RuntimeError``
+    from the original error.
     """
     config = (
         (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
     )
-    async with open_executor(config) as executor, trio.open_nursery() as nursery:
-        engine = AsyncEngine(config, executor)
-        await nursery.start(engine.serve)
+    async with trio.open_nursery() as nursery:
+        engine = AsyncEngine(config, trace=trace)
+        try:
+            await nursery.start(engine.serve)
+        except BaseException:
+            await engine.aclose()
+            raise
         try:
             if config.warmup:
                 await _warmup(engine)

@@ -46,6 +46,7 @@ from omni_trio import (
     EngineDeadError,
     InvalidConfigError,
     RequestAbortedError,
+    RequestFailedError,
     RequestStatus,
     SamplingParams,
     WorkerError,
@@ -462,14 +463,17 @@ async def test_a_model_that_fails_to_load_in_the_worker_raises_invalid_config(
 
 
 # ---------------------------------------------------------------------------------------
-# Worker death.
+# Worker death, without supervision (no restart, no retry): the failure itself is
+# structured and prompt.  Restarts and retries: tests/executors/test_tractor_supervision.py.
 # ---------------------------------------------------------------------------------------
+
+UNSUPERVISED = {"max_worker_restarts": 0, "max_retries_on_worker_failure": 0}
 
 
 async def test_a_worker_killed_mid_forward_fails_every_request_at_once(cache_dir: Path) -> None:
     """SIGKILL of rank 1 (not the output rank) while both ranks run a forward."""
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, num_workers=2) as engine:
+        async with engine_on("tractor", cache_dir, num_workers=2, **UNSUPERVISED) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             pids = executor.worker_pids()
@@ -489,7 +493,8 @@ async def test_a_worker_killed_mid_forward_fails_every_request_at_once(cache_dir
                 out = await terminal(running)
                 noticed_in = trio.current_time() - killed_at
             assert noticed_in < DEATH_NOTICE_S, noticed_in
-            assert out.status is S.FINISHED_ERROR and out.error_type == "EngineDeadError"
+            # The running request fails at once (retryable); the rest when the engine dies.
+            assert out.status is S.FINISHED_ERROR and out.error_type == "WorkerFailedError"
             assert out.error is not None
             assert "worker 1" in out.error and f"process {pids[1]}" in out.error
             assert "SIGKILL" in out.error
@@ -512,7 +517,7 @@ async def test_a_worker_that_dies_while_idle_kills_the_engine(
 ) -> None:
     sig = signal.Signals[signame]
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir) as engine:
+        async with engine_on("tractor", cache_dir, **UNSUPERVISED) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             [pid] = executor.worker_pids().values()
@@ -520,6 +525,8 @@ async def test_a_worker_that_dies_while_idle_kills_the_engine(
             os.kill(pid, sig)
             with trio.fail_after(DEATH_NOTICE_S):
                 await poll_until(lambda: executor.is_dead)
+            with trio.fail_after(DEATH_NOTICE_S):
+                await poll_until(lambda: engine.is_dead)
             with pytest.raises(EngineDeadError, match=f"worker 0.*killed by {sig.name}"):
                 engine.check_health()
             with trio.fail_after(0.5):
@@ -717,7 +724,9 @@ async def test_a_worker_killed_while_outputs_are_in_flight_leaves_no_shared_memo
 ) -> None:
     big = SamplingParams(height=1024, width=1024, num_inference_steps=2, seed=1, output_type="np")
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, async_output=True, max_num_seqs=1) as engine:
+        async with engine_on(
+            "tractor", cache_dir, async_output=True, max_num_seqs=1, **UNSUPERVISED
+        ) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             pid = executor.worker_pids()[0]
@@ -727,7 +736,7 @@ async def test_a_worker_killed_while_outputs_are_in_flight_leaves_no_shared_memo
                 try:
                     await engine.generate("p", big.replace(seed=i), request_id=f"big-{i}")
                     outcomes.append("ok")
-                except EngineDeadError:
+                except (EngineDeadError, RequestFailedError):
                     outcomes.append("dead")
 
             async with trio.open_nursery() as nursery:
@@ -746,12 +755,14 @@ async def test_a_worker_that_exits_mid_forward_is_reported_with_its_exit_code(
     """``os._exit`` inside the worker (echo's crash injection) during a forward."""
     crash = params(4, seed=1, extra_args={ECHO_EXIT_AT_STEP: 2})
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir) as engine:
+        async with engine_on("tractor", cache_dir, **UNSUPERVISED) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             pid = executor.worker_pids()[0]
-            with pytest.raises(EngineDeadError, match=f"exit code {ECHO_EXIT_CODE}"):
+            with pytest.raises(RequestFailedError, match=f"exit code {ECHO_EXIT_CODE}"):
                 await engine.generate("p", crash, request_id="crash")
+            with trio.fail_after(DEATH_NOTICE_S * 5):
+                await poll_until(lambda: engine.is_dead)
             with pytest.raises(EngineDeadError, match="worker 0"):
                 engine.check_health()
         await wait_until_gone([pid], timeout=5.0)

@@ -36,6 +36,7 @@ from omni_trio import (
     RequestStatus,
     SamplingParams,
     StallError,
+    WorkerError,
     open_engine,
 )
 from omni_trio._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
@@ -698,9 +699,9 @@ async def test_leaving_open_engine_closes_everything() -> None:
         raise_for_status(out)
 
 
-async def test_executor_death_kills_the_engine() -> None:
+async def test_executor_death_past_the_restart_limit_kills_the_engine() -> None:
     with trio.fail_after(CAP_S):
-        async with scripted_engine(max_num_seqs=1) as (engine, executor):
+        async with scripted_engine(max_num_seqs=1, max_worker_restarts=0) as (engine, executor):
             executor.hold = True
             first = engine.stream("p", params(), request_id="first")
             await executor.wait_for_forward("first")
@@ -744,7 +745,10 @@ async def test_executor_death_mid_forward_fails_running_waiting_and_queued_rpcs(
             return out
 
     with trio.fail_after(CAP_S):
-        async with scripted_engine(backend=DiesWhenReleased) as (engine, executor):
+        async with scripted_engine(backend=DiesWhenReleased, max_worker_restarts=0) as (
+            engine,
+            executor,
+        ):
             executor.hold = True
             errors: dict[str, BaseException] = {}
 
@@ -775,13 +779,26 @@ async def test_executor_death_mid_forward_fails_running_waiting_and_queued_rpcs(
     assert [kind for kind, _, _ in executor.log] == ["batch"]  # the RPC never ran
 
 
-async def test_health_reports_a_dead_executor_before_the_loop_notices() -> None:
+async def test_health_reports_a_failed_group_before_the_loop_notices() -> None:
     with trio.fail_after(CAP_S):
-        async with scripted_engine() as (engine, executor):
+        async with scripted_engine(worker_restart_backoff_s=0.0) as (engine, executor):
             engine.check_health()
+            assert engine.health().healthy
             executor.fail(RuntimeError("heartbeat lost"))
-            with pytest.raises(EngineDeadError, match="heartbeat lost"):
+            # Not healthy from the moment the group failed, before anything else ran.
+            with pytest.raises(WorkerError, match="heartbeat lost"):
                 engine.check_health()
+            health = engine.health()
+            assert not health.healthy and health.state == "restarting"
+            assert [w.state for w in health.workers] == ["restarting"]
+            await trio.testing.wait_all_tasks_blocked()
+            # The supervisor restarted the group: healthy again, with a new executor.
+            engine.check_health()
+            health = engine.health()
+            assert health.healthy and health.restarts == 1
+            assert health.last_failure == "RuntimeError: heartbeat lost"
+            assert engine.executor is not executor and executor.closed
+            assert engine.statistics().restarts == 1
 
 
 class WarmupFails(ScriptedExecutor):
@@ -1232,7 +1249,7 @@ async def test_a_dead_inproc_worker_kills_the_engine(
 
     monkeypatch.setattr(inproc, "Worker", BrokenWorker)
     with trio.fail_after(CAP_S):
-        async with echo_engine(cache_dir) as engine:
+        async with echo_engine(cache_dir, max_worker_restarts=0) as engine:
             stream = engine.stream("p", params(), request_id="r")
             async with stream:
                 outs = [o async for o in stream]
