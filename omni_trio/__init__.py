@@ -18,10 +18,13 @@ from .errors import InvalidTransition as InvalidTransition
 from .errors import OmniTrioError as OmniTrioError
 from .errors import RequestAbortedError as RequestAbortedError
 from .errors import RequestFailedError as RequestFailedError
+from .errors import RestartLimitError as RestartLimitError
 from .errors import StallError as StallError
 from .errors import WorkerError as WorkerError
 from .executors.base import Executor as Executor
+from .executors.base import WorkerState as WorkerState
 from .runtime.engine import AsyncEngine as AsyncEngine
+from .runtime.engine import EngineHealth as EngineHealth
 from .runtime.engine import EngineStatistics as EngineStatistics
 from .runtime.engine import open_engine as open_engine
 from .runtime.request_stream import RequestStream as RequestStream
@@ -38,6 +41,7 @@ __all__ = [
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineHealth",
     "EngineStatistics",
     "Executor",
     "InvalidConfigError",
@@ -49,8 +53,10 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "RequestStream",
+    "RestartLimitError",
     "SamplingParams",
     "StallError",
     "WorkerError",
+    "WorkerState",
     "open_engine",
 ]

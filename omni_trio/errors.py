@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "RETRYABLE_ERROR_TYPES",
     "DuplicateRequestError",
     "EngineClosedError",
     "EngineDeadError",

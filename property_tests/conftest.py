@@ -1,4 +1,6 @@
-"""Hypothesis profiles: ``dev`` (fast, local default) and ``ci`` (reproducible, more examples).
+"""Hypothesis profiles: ``dev`` (fast, local default), ``ci`` (reproducible, more examples)
+and ``long`` (fuzzing campaigns).  The engine state machines scale these down: they run a
+real engine per example (see property_tests/test_engine_machine.py).
 
 ``CI`` in the environment selects ``ci``; ``HYPOTHESIS_PROFILE`` overrides either.
 """
@@ -6,7 +8,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -25,6 +29,21 @@ settings.register_profile(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# Campaigns (``omni-trio fuzz`` and HYPOTHESIS_PROFILE=long): many examples, long sequences.
+settings.register_profile(
+    "long",
+    max_examples=2000,
+    stateful_step_count=60,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache for the whole session (built-in models materialise here once)."""
+    return tmp_path_factory.mktemp("omni-trio-cache")

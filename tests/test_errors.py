@@ -18,6 +18,7 @@ from omni_trio.errors import (
     OmniTrioError,
     RequestAbortedError,
     RequestFailedError,
+    RestartLimitError,
     StallError,
     WorkerError,
 )
@@ -31,6 +32,7 @@ ALL_ERRORS = [
     InvalidTransition,
     RequestAbortedError,
     RequestFailedError,
+    RestartLimitError,
     StallError,
     WorkerError,
 ]
@@ -66,6 +68,7 @@ def test_every_error_derives_from_the_base(cls: type[Exception]) -> None:
         (InvalidTransition, OmniTrioError),
         (WorkerError, OmniTrioError),
         (StallError, OmniTrioError),
+        (RestartLimitError, OmniTrioError),
     ],
     ids=lambda c: c.__name__,
 )
@@ -187,3 +190,22 @@ def test_stall_error_names_the_phase() -> None:
     exc = StallError("forward", "no step for 30 s")
     assert exc.phase == "forward"
     assert str(exc) == "forward stalled: no step for 30 s"
+
+
+@pytest.mark.parametrize(
+    ("error_type", "retryable"),
+    [("WorkerFailedError", True), ("StallError", True), ("ValueError", False), (None, False)],
+)
+def test_request_failed_error_says_whether_a_retry_may_help(
+    error_type: str | None, retryable: bool
+) -> None:
+    exc = RequestFailedError("r", "boom", error_type)
+    assert exc.retryable is retryable
+
+
+def test_restart_limit_error_carries_its_numbers() -> None:
+    cause = StallError("worker", "silent")
+    exc = RestartLimitError("workers", restarts=3, max_restarts=3, window_s=60, last_error=cause)
+    assert (exc.child, exc.restarts, exc.max_restarts, exc.window_s) == ("workers", 3, 3, 60)
+    assert exc.last_error is cause
+    assert "more than 3 time(s) in 60 s" in str(exc) and "silent" in str(exc)

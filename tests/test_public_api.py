@@ -15,6 +15,7 @@ EXPECTED = {
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
+    "EngineHealth",
     "EngineStatistics",
     "Executor",
     "InvalidConfigError",
@@ -26,9 +27,11 @@ EXPECTED = {
     "RequestMetrics",
     "RequestStatus",
     "RequestStream",
+    "RestartLimitError",
     "SamplingParams",
     "StallError",
     "WorkerError",
+    "WorkerState",
     "open_engine",
 }
 

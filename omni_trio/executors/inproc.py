@@ -25,6 +25,7 @@ from .._core.messages import (
 )
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
+from ..worker.faults import WorkerFatalError
 from ..worker.runner import StepProgress
 from ..worker.stop_flags import StopFlags
 from ..worker.worker import Worker
@@ -219,6 +220,9 @@ class InprocExecutor(Executor):
                 result = await self._thread.run(call, abandon_on_cancel=True)
             except (AttributeError, TypeError):
                 raise
+            except WorkerFatalError as exc:
+                self.fail(exc)  # the worker itself is broken, as in a forward
+                raise WorkerError(str(exc), worker=0, error_type=type(exc).__name__) from exc
             except Exception as exc:
                 raise WorkerError(str(exc), worker=0, error_type=type(exc).__name__) from exc
         if scope.cancelled_caught:

@@ -430,6 +430,10 @@ class AsyncEngine:
             await trio.lowlevel.checkpoint()
 
     async def _execute(self, sched_out: SchedulerOutput) -> BatchRunnerOutput:
+        if self._closed:
+            # Closing: the worker group is being shut down and every request has ended.
+            await trio.lowlevel.checkpoint()
+            return BatchRunnerOutput()
         executor = self.executor
         trace = self.trace
         if trace is not None:
@@ -448,7 +452,10 @@ class AsyncEngine:
                 raise _GroupFailed() from exc
             if isinstance(exc, StallError):
                 raise
-            log.warning("execution of %s failed", sched_out.scheduled_request_ids, exc_info=True)
+            if not self._closed:
+                log.warning(
+                    "execution of %s failed", sched_out.scheduled_request_ids, exc_info=True
+                )
             result = BatchRunnerOutput.from_list(
                 [RunnerOutput.from_exception(rid, exc) for rid in sched_out.scheduled_request_ids]
             )
@@ -846,12 +853,8 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._handles:
             raise DuplicateRequestError(rid)
-        if not self.config.fault_injection and "faults" in request.sampling.extra_args:
-            raise InvalidRequestError(
-                "extra_args['faults'] asks for fault injection, which this engine does not "
-                "allow (EngineConfig.fault_injection=False)",
-                param="extra_args",
-            )
+        if "faults" in request.sampling.extra_args:
+            self._check_faults(request)
         state = self.scheduler.add_request(request, trio.current_time())
         send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
         self._handles[rid] = _Handle(request, send)
@@ -873,6 +876,22 @@ class AsyncEngine:
         return RequestStream(
             rid, request.sampling.seed, receive, self._consumer_gone, self._consumer_dropped
         )
+
+    def _check_faults(self, request: DiffusionRequest) -> None:
+        """Fault injection (``omni_trio.testing.faults``) only where the config allows it,
+        and only well-formed."""
+        if not self.config.fault_injection:
+            raise InvalidRequestError(
+                "extra_args['faults'] asks for fault injection, which this engine does not "
+                "allow (EngineConfig.fault_injection=False)",
+                param="extra_args",
+            )
+        from ..worker.faults import parse_faults
+
+        try:
+            parse_faults(request.sampling.extra_args)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="extra_args") from exc
 
     def _resolve_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
         """Fill what admission decides: the model's default size and a random seed.

@@ -10,7 +10,13 @@ same step: the stop decision is collective (:meth:`CfgParallel.agree_stop`: any 
 stops both), taken before the forward and before every step.  A rank acting on its own flags
 alone would leave the other waiting in a collective.  A failed collective
 (:class:`~omni_trio.worker.cfg_parallel.CollectiveError`) is raised, never turned into the
-requests' errors: the group, and so this runner, is unusable after it.
+requests' errors: the group, and so this runner, is unusable after it.  So is a
+:class:`~omni_trio.worker.faults.WorkerFatalError` (an injected crash of an in-process worker).
+
+Fault injection (:mod:`omni_trio.worker.faults`, only with ``config.fault_injection``): each
+forward builds a :class:`~omni_trio.worker.faults.FaultPlan` for its requests and calls its
+hooks at every step and around packing; a request whose ``faults`` entry is malformed fails
+alone with a ``ValueError`` output and is left out of the forward.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .._core.request import DiffusionRequest
 from ..config import EngineConfig
 from ..errors import InvalidConfigError
 from .cfg_parallel import CollectiveError
+from .faults import FaultInjector, FaultPlan, WorkerFatalError, split_fault_options
 from .stop_flags import ForwardStopped, StopFlags
 
 if TYPE_CHECKING:
@@ -71,10 +78,12 @@ def _all(ids: Sequence[str], **fields: Any) -> BatchRunnerOutput:
 
 @dataclass(frozen=True, slots=True)
 class ForwardedBatch:
-    """Raw outputs of a finished forward, per request, waiting to be packed."""
+    """Raw outputs of a finished forward, per request, waiting to be packed; ``faults``:
+    the forward's fault plan (its packing faults fire in :meth:`ModelRunner.pack_outputs`)."""
 
     items: tuple[tuple[DiffusionRequest, Sequence[Any]], ...] = ()
     forward_ms: float = 0.0
+    faults: FaultPlan | None = None
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -89,7 +98,8 @@ class ModelRunner:
 
     ``cfg``: this rank's CFG-parallel group, offered to the model at :meth:`load_model`;
     :attr:`cfg` stays set only if the model accepted it.  ``world_size``: ranks running the
-    same waves in lockstep (passed on to the step runner).
+    same waves in lockstep (passed on to the step runner).  ``faults``: this rank's fault
+    injector (default: one built from ``config`` for rank 0).
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class ModelRunner:
         *,
         cfg: CfgParallel | None = None,
         world_size: int = 1,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -114,6 +125,11 @@ class ModelRunner:
         self.cfg: CfgParallel | None = None
         self._offered_cfg = cfg
         self.world_size = world_size
+        self.faults = (
+            faults
+            if faults is not None
+            else FaultInjector.from_config(config, stop_flags=stop_flags)
+        )
         # Denoising steps started so far, over every forward (read by liveness checks).
         self.steps_done = 0
 
@@ -124,15 +140,20 @@ class ModelRunner:
         return self._model.info
 
     def load_model(self) -> ModelInfo:
-        """Load the configured model; reject configurations the model cannot serve."""
+        """Load the configured model; reject configurations the model cannot serve.
+
+        The ``fault_*`` model options are the worker's (:mod:`omni_trio.worker.faults`): the
+        model loader never sees them; an unknown one raises :class:`InvalidConfigError`.
+        """
         from ..models import load_model
 
+        options, _ = split_fault_options(self.config.model_options)
         model = load_model(
             self.config.model,
             device=self.device,
             dtype=self.dtype,
             cache_dir=self.config.resolved_cache_dir,
-            options=self.config.model_options,
+            options=options,
         )
         if self.config.max_num_seqs > 1 and not model.info.supports_batch:
             model.close()
@@ -160,6 +181,7 @@ class ModelRunner:
                 self.progress,
                 convert_output,
                 world_size=self.world_size,
+                faults=self.faults,
             )
         if self._offered_cfg is not None and model.enable_cfg_parallel(self._offered_cfg):
             self.cfg = self._offered_cfg
@@ -180,6 +202,8 @@ class ModelRunner:
         """Run one fused forward for a compatible wave and pack its outputs, synchronously;
         one output per request, keyed by id."""
         done, forwarded = self.forward_batch(requests)
+        if forwarded.faults:
+            forwarded.faults.after_forward(forwarded.request_ids)
         packed = self.pack_outputs(forwarded)
         return BatchRunnerOutput({**done.outputs, **packed.outputs})
 
@@ -190,12 +214,32 @@ class ModelRunner:
 
         Returns the requests that already ended (aborted, failed) as runner outputs, and the
         raw outputs of the others still to be packed (:meth:`pack_outputs`), possibly in the
-        output packer's thread while the next forward runs.
+        output packer's thread while the next forward runs.  Raises only for a broken runner
+        (no model, a failed collective, a :class:`WorkerFatalError`).
         """
-        import torch
-
         if self._model is None:
             raise RuntimeError("model not loaded")
+        plan = self.faults.plan(requests)
+        if not plan.invalid:
+            return self._forward(requests, plan)
+        rejected = BatchRunnerOutput.from_list(
+            [
+                RunnerOutput(rid, error=message, error_type="ValueError")
+                for rid, message in plan.invalid.items()
+            ]
+        )
+        valid = [r for r in requests if r.request_id not in plan.invalid]
+        if not valid:
+            return rejected, ForwardedBatch()
+        done, forwarded = self._forward(valid, plan)
+        return BatchRunnerOutput({**rejected.outputs, **done.outputs}), forwarded
+
+    def _forward(
+        self, requests: Sequence[DiffusionRequest], plan: FaultPlan
+    ) -> tuple[BatchRunnerOutput, ForwardedBatch]:
+        import torch
+
+        assert self._model is not None
         model = self._model
         ids = [r.request_id for r in requests]
         flags = self.stop_flags
@@ -226,6 +270,9 @@ class ModelRunner:
             self.steps_done += 1
             for rid in ids:
                 progress[rid] = (step, total)
+            if plan:
+                for rid in ids:
+                    plan.on_step(rid, step, total)
 
         started = time.perf_counter()
         try:
@@ -242,8 +289,8 @@ class ModelRunner:
                 )
         except ForwardStopped:
             return _all(ids, aborted=True), ForwardedBatch()
-        except CollectiveError:
-            raise  # the CFG-parallel group is broken: this worker is, not the requests
+        except (CollectiveError, WorkerFatalError):
+            raise  # this worker is broken (e.g. its CFG-parallel group), not the requests
         except Exception as exc:  # a request failure, not a runner failure
             log.debug("forward of %s failed", ids, exc_info=True)
             return BatchRunnerOutput.from_list(
@@ -260,18 +307,29 @@ class ModelRunner:
                 done.append(RunnerOutput(request.request_id, aborted=True))
             else:
                 items.append((request, images))
-        return BatchRunnerOutput.from_list(done), ForwardedBatch(tuple(items), forward_ms)
+        return BatchRunnerOutput.from_list(done), ForwardedBatch(
+            tuple(items), forward_ms, plan if plan else None
+        )
 
     def pack_outputs(self, batch: ForwardedBatch) -> BatchRunnerOutput:
         """The host half: convert raw outputs to each request's output type.  Thread-safe
-        (it touches no runner state), so the output packer may run it in its own thread."""
+        (it touches no runner state), so the output packer may run it in its own thread.
+
+        A request whose conversion fails (an injected FAIL_PACKING included) gets an error
+        output; the others are packed.  SLOW_PACKING sleeps before the conversion.
+        """
         outputs = []
+        faults = batch.faults
         for request, images in batch.items:
             rid = request.request_id
             post_started = time.perf_counter()
             try:
+                if faults:
+                    faults.before_pack(rid)
                 output_type = request.sampling.output_type
                 converted = tuple(convert_output(img, output_type) for img in images)
+            except WorkerFatalError:
+                raise
             except Exception as exc:
                 outputs.append(RunnerOutput.from_exception(rid, exc))
                 continue

@@ -19,7 +19,14 @@ the ranks at different moments.  Nothing is lost: the engine never schedules an 
 request, and it reports the abort itself; the state is evicted once the request shows up in
 ``finished_req_ids``.  A failed collective
 (:class:`~omni_trio.worker.cfg_parallel.CollectiveError`) ends the tick with that error: the
-worker, not a request, has failed.
+worker, not a request, has failed; so does a
+:class:`~omni_trio.worker.faults.WorkerFatalError`.
+
+Fault injection (:mod:`omni_trio.worker.faults`): a request's plan is built when it arrives
+(a malformed ``faults`` entry fails it with ``ValueError``); its step faults fire at its
+``k``-th step, after the fused denoise and before ``step_scheduler`` (so a raise fails only
+that request, leaving its ``step_index`` at ``k``); its packing faults fire before its final
+decode.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from .cfg_parallel import CollectiveError
+from .faults import FaultInjector, FaultPlan, WorkerFatalError
 from .stop_flags import StopFlags
 
 if TYPE_CHECKING:
@@ -57,6 +65,7 @@ class StepRunner:
         convert: Callable[[Any, str], Any],
         *,
         world_size: int = 1,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.config = config
         self.adapter = adapter
@@ -69,12 +78,20 @@ class StepRunner:
         self.states: dict[str, StepState] = {}
         # Wall time each live request has spent in ticks (ms), reported as forward_ms.
         self._elapsed_ms: dict[str, float] = {}
+        self.faults = (
+            faults
+            if faults is not None
+            else FaultInjector.from_config(config, stop_flags=stop_flags)
+        )
+        # Fault plans of live requests that have faults (and only those).
+        self._fault_plans: dict[str, FaultPlan] = {}
 
     def evict(self, request_ids: Sequence[str] | frozenset[str]) -> None:
         """Drop the state of requests that are over (finished, aborted or unknown ids)."""
         for rid in request_ids:
             state = self.states.pop(rid, None)
             self._elapsed_ms.pop(rid, None)
+            self._fault_plans.pop(rid, None)
             self.progress.pop(rid, None)
             if state is not None:
                 try:
@@ -83,7 +100,10 @@ class StepRunner:
                     log.exception("releasing step state of %s failed", rid)
 
     def execute(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        """Run one tick for ``scheduler_output``; one output per scheduled request."""
+        """Run one tick for ``scheduler_output``; one output per scheduled request.
+
+        Raises only for a broken worker: a failed collective, a :class:`WorkerFatalError`.
+        """
         import torch
 
         self.evict(scheduler_output.finished_req_ids)
@@ -98,11 +118,20 @@ class StepRunner:
                         rid, error=f"request {rid} already has step state", error_type="ValueError"
                     )
                     continue
+                plan = self.faults.plan((new.request,))
+                if plan.invalid:
+                    outputs[rid] = RunnerOutput(
+                        rid, error=plan.invalid[rid], error_type="ValueError"
+                    )
+                    continue
                 try:
                     self.states[rid] = self._prepare(new.request)
                     self._elapsed_ms[rid] = 0.0
                 except Exception as exc:
                     outputs[rid] = RunnerOutput.from_exception(rid, exc)
+                    continue
+                if plan:
+                    self._fault_plans[rid] = plan
             live: list[StepState] = []
             for rid in scheduler_output.scheduled_request_ids:
                 if rid in outputs:
@@ -133,8 +162,8 @@ class StepRunner:
         try:
             preds = self.adapter.denoise_step(live)
             return {s.request_id: p for s, p in zip(live, preds, strict=True)}
-        except CollectiveError:
-            raise  # the CFG-parallel group is broken: no retry can succeed
+        except (CollectiveError, WorkerFatalError):
+            raise  # the worker (e.g. its CFG-parallel group) is broken: no retry can succeed
         except Exception as exc:
             if len(live) == 1:
                 return {live[0].request_id: exc}
@@ -142,7 +171,7 @@ class StepRunner:
         for state in live:
             try:
                 results[state.request_id] = self.adapter.denoise_step([state])[0]
-            except CollectiveError:
+            except (CollectiveError, WorkerFatalError):
                 raise
             except Exception as exc:
                 results[state.request_id] = exc
@@ -153,12 +182,16 @@ class StepRunner:
         preds = self._denoise(live)
         streaming = self.config.streaming_output
         interval = self.config.preview_interval
+        plans = self._fault_plans
         for state in live:
             rid = state.request_id
             pred = preds[rid]
             try:
                 if isinstance(pred, Exception):
                     raise pred
+                plan = plans.get(rid)
+                if plan is not None:
+                    plan.on_step(rid, state.step_index, state.total_steps)
                 self.adapter.step_scheduler(state, pred)
                 self._elapsed_ms[rid] = (
                     self._elapsed_ms.get(rid, 0.0) + (time.perf_counter() - started) * 1000.0
@@ -175,6 +208,8 @@ class StepRunner:
                     )
                 else:
                     outputs[rid] = RunnerOutput(rid, finished=False, step_index=state.step_index)
+            except WorkerFatalError:
+                raise
             except Exception as exc:
                 log.debug("step of %s failed", rid, exc_info=True)
                 outputs[rid] = RunnerOutput.from_exception(rid, exc, step_index=state.step_index)
@@ -191,6 +226,9 @@ class StepRunner:
     def _final(self, state: StepState) -> RunnerOutput:
         rid = state.request_id
         post_started = time.perf_counter()
+        plan = self._fault_plans.get(rid)
+        if plan is not None:
+            plan.before_pack(rid)
         images = self._decode(state)
         timings = {
             "forward_ms": self._elapsed_ms.get(rid, 0.0),

@@ -14,6 +14,11 @@ Protocol over one persistent ``open_context`` stream (bytes encoded by ``omni_tr
   ``steps`` counts the denoising steps this worker has run so far (progress-aware
   liveness); a reply carries the count as of the end of its call, so it is exact for every
   call that returned before it.
+
+A call that raises :class:`~omni_trio.worker.faults.WorkerFatalError` gets no reply: the
+worker process ends with :data:`~omni_trio.worker.faults.EXIT_CODE`, so the executor sees a
+dead worker, as for any crash (injected crash faults end the process themselves, see
+:mod:`omni_trio.worker.faults`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 
 import tractor
 import trio
+
+from .faults import EXIT_CODE, WorkerFatalError, mark_worker_process
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "watch_parent_process", "serve_worker"]
 
@@ -102,6 +109,7 @@ async def serve_worker(
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
     from .worker import Worker
 
+    mark_worker_process()  # injected crash faults end this process, not just a call
     engine_config = EngineConfig.from_dict(config)
     thread = WorkerThread(f"omni-trio-worker-{rank}", stall_timeout_s=engine_config.close_timeout_s)
     thread.start()
@@ -173,6 +181,16 @@ async def serve_worker(
                 )
                 # Only the output rank ships its result; the others just say they are done.
                 reply.update(ok=True, result=result if reply_rank in (None, rank) else None)
+            except WorkerFatalError:
+                # The worker itself is broken: die like a crashed worker instead of
+                # answering, so the executor fails closed through its dead-worker path.
+                log.critical(
+                    "worker %d: fatal error in %r; ending the process",
+                    rank,
+                    message["method"],
+                    exc_info=True,
+                )
+                os._exit(EXIT_CODE)
             except Exception as exc:
                 reply.update(
                     ok=False,

@@ -9,6 +9,10 @@ group at :meth:`Worker.init_device` (rendezvous at the executor-chosen ``dist_in
 and, for models that accept it, split each classifier-free-guidance UNet call between them
 (:mod:`omni_trio.worker.cfg_parallel`).  Several workers on CUDA each take their own GPU
 (``cuda:<rank>``) when there are enough and ``config.device`` names none.
+
+With ``config.fault_injection`` the worker carries out the faults requests ask for
+(:mod:`omni_trio.worker.faults`); a :class:`~omni_trio.worker.faults.WorkerFatalError` (an
+injected crash of an in-process worker) propagates out of the worker call.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, Sched
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
 from ..errors import InvalidConfigError
+from .faults import FaultInjector
 from .output_packer import OutputPacker, record_ready_event
-from .runner import ModelRunner, StepProgress
+from .runner import ForwardedBatch, ModelRunner, StepProgress
 from .stop_flags import StopFlags
 
 if TYPE_CHECKING:
@@ -117,6 +122,8 @@ class Worker:
         # This rank's CFG-parallel group: joined by init_device, kept only if the model
         # accepts it (load_model), closed by shutdown.
         self.cfg: CfgParallel | None = None
+        # Off (every plan empty) unless config.fault_injection.
+        self.faults = FaultInjector.from_config(config, rank=rank, stop_flags=self.stop_flags)
 
     def init_device(self) -> None:
         """Select the device, apply the thread setting (process-wide in torch) and, with two
@@ -179,6 +186,7 @@ class Worker:
             self.progress,
             cfg=self.cfg,
             world_size=self.world_size,
+            faults=self.faults,
         )
         self.model_info = runner.load_model()
         self.runner = runner
@@ -225,9 +233,16 @@ class Worker:
         """
         if not self.is_output_rank or self.packer is not None:
             return
-        self.packer = OutputPacker(
-            reply, self._runner().pack_outputs, name=f"omni-trio-packer-{self.rank}"
-        )
+        runner = self._runner()
+
+        def pack(forwarded: ForwardedBatch) -> BatchRunnerOutput:
+            packed = runner.pack_outputs(forwarded)
+            if forwarded.faults:  # DELAY_OUTPUT_READY: after packing, before OUTPUT_READY
+                for rid in forwarded.request_ids:
+                    forwarded.faults.after_pack(rid)
+            return packed
+
+        self.packer = OutputPacker(reply, pack, name=f"omni-trio-packer-{self.rank}")
 
     def execute_scheduler_output(
         self, scheduler_output: SchedulerOutput, rpc_id: str = ""
@@ -236,7 +251,10 @@ class Worker:
 
         With the output packer on, successful requests come back as ``async_output_id``s
         and their images follow as OUTPUT_READY; ranks other than the output rank report
-        only what ended early (their results are never shipped).
+        only what ended early (their results are never shipped).  A DELAY_COMPUTE_DONE fault
+        sleeps after the forward (and after handing it to the packer, so its OUTPUT_READY
+        may be sent before this returns).  Raises :class:`WorkerFatalError` (an injected
+        in-process crash) and errors of a broken runner; request failures are outputs.
         """
         runner = self._runner()
         self.stop_flags.forget(scheduler_output.finished_req_ids)
@@ -244,9 +262,14 @@ class Worker:
         done, forwarded = runner.forward_batch(requests)
         if not forwarded.items:
             return done
+        faults = forwarded.faults
         if not self.is_output_rank:
+            if faults:
+                faults.after_forward(forwarded.request_ids)
             return done
         if self.packer is None:
+            if faults:
+                faults.after_forward(forwarded.request_ids)
             return BatchRunnerOutput({**done.outputs, **runner.pack_outputs(forwarded).outputs})
         batch_id = self.packer.submit(
             rpc_id, forwarded, ready_event=record_ready_event(runner.device)
@@ -259,6 +282,8 @@ class Worker:
             )
             for rid in forwarded.request_ids
         }
+        if faults:
+            faults.after_forward(forwarded.request_ids)
         return BatchRunnerOutput({**done.outputs, **pending})
 
     def drain_outputs(self, timeout: float | None = 10.0) -> bool:
@@ -288,6 +313,7 @@ class Worker:
         return getattr(self, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
+        self.faults.release()  # no injected in-process hang outlives the worker
         packer, self.packer = self.packer, None
         if packer is not None and not packer.close(self.config.close_timeout_s):
             log.error("worker %d: output packer did not stop in time", self.rank)

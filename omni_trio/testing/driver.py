@@ -1,0 +1,383 @@
+"""A small synchronous wrapper that drives a real, running engine from another thread.
+
+Hypothesis state machines are synchronous; the engine is a trio program.  :func:`run_driven`
+runs a trio loop in the *calling* thread (so the tractor backend, which wants the main
+thread, works) and calls ``fn(driver)`` in a worker thread; every :class:`EngineDriver`
+method hops into the trio loop with ``trio.from_thread.run`` and returns when that step is
+done.  One consumer task per request reads its stream and records what it received
+(``RECEIVED`` trace events, with the identity decoded from echo images), exactly as a client
+would see it.
+
+Example::
+
+    def scenario(driver: EngineDriver) -> None:
+        driver.open(EngineConfig(model="builtin:echo", warmup=False))
+        rid = driver.submit("a cat", SamplingParams(num_inference_steps=2, seed=1))
+        driver.wait_finished([rid], timeout=10)
+        driver.close()
+        assert_trace_ok(driver.trace)
+
+    run_driven(scenario)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from .._core.messages import DiffusionOutput
+from .._core.request import DiffusionRequest, SamplingParams
+from .._core.trace import TraceKind, TraceRecorder
+from ..config import EngineConfig
+from ..errors import WorkerError
+from ..ipc import list_our_segments
+from ..runtime.engine import AsyncEngine, open_engine
+
+__all__ = ["ConsumerRecord", "EngineDriver", "leftover_resources", "run_driven"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class ConsumerRecord:
+    """What one request's consumer saw."""
+
+    request_id: str
+    outputs: list[DiffusionOutput] = field(default_factory=list)
+    dropped: bool = False
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def final(self) -> DiffusionOutput | None:
+        if self.outputs and self.outputs[-1].finished:
+            return self.outputs[-1]
+        return None
+
+
+def _identity(output: DiffusionOutput) -> dict[str, Any] | None:
+    if not output.images:
+        return None
+    try:
+        from ..models.echo import decode_echo_image
+
+        rid, seed, _ = decode_echo_image(output.images[0])
+    except Exception:  # not an echo image (a preview of latents, a real model)
+        return None
+    return {"request_id": rid, "seed": seed}
+
+
+def _worker_processes() -> list[int]:
+    """Live (or unreaped) tractor worker children of this process, by a /proc scan."""
+    me = os.getpid()
+    found: list[int] = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and (b"tractor._child" in cmdline or fields[0] == "Z"):
+            found.append(int(entry.name))
+    return found
+
+
+def leftover_resources() -> dict[str, list[Any]]:
+    """What an engine may leave behind, process-wide: our threads, our shared-memory
+    segments, worker processes.  All lists are empty when nothing leaked (INV-3)."""
+    threads = [
+        t.name for t in threading.enumerate() if t.name.startswith("omni-trio") and t.is_alive()
+    ]
+    return {
+        "threads": threads,
+        "shm_segments": list(list_our_segments()),
+        "processes": _worker_processes(),
+    }
+
+
+class EngineDriver:
+    """Synchronous control of one engine at a time (open, submit, abort, drop, crash,
+    RPC, close), from the thread :func:`run_driven` runs ``fn`` in.  Every call is bounded
+    by ``call_timeout_s`` (a call that takes longer raises ``trio.TooSlowError``)."""
+
+    def __init__(
+        self,
+        token: trio.lowlevel.TrioToken,
+        nursery: trio.Nursery,
+        *,
+        trace: TraceRecorder | None = None,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        self._token = token
+        self._nursery = nursery
+        self.trace = trace if trace is not None else TraceRecorder()
+        self.call_timeout_s = call_timeout_s
+        self.engine: AsyncEngine | None = None
+        self.consumers: dict[str, ConsumerRecord] = {}
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._close: trio.Event | None = None
+        self._closed: trio.Event | None = None
+        self._ids = itertools.count(1)
+        self._changed = trio.Event()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run a synchronous ``fn()`` in the trio thread and return its result."""
+
+        async def run() -> Any:
+            return fn()
+
+        return self.run(run)
+
+    def run(self, afn: Callable[[], Any]) -> Any:
+        """Run ``await afn()`` in the trio thread (bounded) and return its result."""
+
+        async def bounded() -> Any:
+            with trio.fail_after(self.call_timeout_s):
+                return await afn()
+
+        return trio.from_thread.run(bounded, trio_token=self._token)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- the engine ----------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self.engine is not None
+
+    def open(self, config: EngineConfig) -> AsyncEngine:
+        """Open an engine with ``config`` (recording into :attr:`trace`); returns it."""
+        if self.engine is not None:
+            raise RuntimeError("an engine is already open; close() it first")
+
+        async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            close, closed = trio.Event(), trio.Event()
+            self._close, self._closed = close, closed
+            try:
+                async with open_engine(config, trace=self.trace) as engine:
+                    task_status.started(engine)
+                    await close.wait()
+            finally:
+                closed.set()
+
+        async def start() -> AsyncEngine:
+            engine: AsyncEngine = await self._nursery.start(serve)
+            return engine
+
+        self.engine = self.run(start)
+        return self.engine
+
+    def close(self) -> None:
+        """Close the engine (its consumers read their terminal outputs first)."""
+        if self.engine is None:
+            return
+        close, closed = self._close, self._closed
+        assert close is not None and closed is not None
+
+        async def shut() -> None:
+            close.set()
+            await closed.wait()
+            await self._wait_consumers(None)
+
+        try:
+            self.run(shut)
+        finally:
+            self.engine = None
+
+    # -- requests ------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"fuzz-{next(self._ids)}"
+
+    def submit(self, prompt: str, params: SamplingParams, request_id: str | None = None) -> str:
+        """Admit a request and start its consumer; returns its id.  Admission errors
+        (invalid input, engine closed or dead) are raised here."""
+        engine = self._engine()
+        rid = request_id or self.new_request_id()
+
+        def admit() -> str:
+            stream = engine.stream(DiffusionRequest(prompt, params, rid))
+            record = ConsumerRecord(rid)
+            self.consumers[rid] = record
+            scope = trio.CancelScope()
+            self._scopes[rid] = scope
+            self._nursery.start_soon(self._consume, stream, record, scope)
+            return rid
+
+        result: str = self.call(admit)
+        return result
+
+    async def _consume(self, stream: Any, record: ConsumerRecord, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                async with stream:
+                    async for output in stream:
+                        record.outputs.append(output)
+                        self._record_received(output)
+        except Exception as exc:  # pragma: no cover - a stream never raises
+            record.error = exc
+        finally:
+            record.dropped = record.dropped or scope.cancelled_caught
+            record.done = True
+            self._scopes.pop(record.request_id, None)
+            self._notify()
+
+    def _record_received(self, output: DiffusionOutput) -> None:
+        self.trace.record(
+            trio.current_time(),
+            TraceKind.RECEIVED,
+            output.request_id,
+            detail={
+                "finished": output.finished,
+                "chunk_index": output.chunk_index,
+                "status": output.status.name,
+                "seed": output.seed,
+                "identity": _identity(output),
+            },
+        )
+
+    def abort(self, request_id: str) -> None:
+        engine = self._engine()
+        self.call(lambda: engine.abort(request_id))
+
+    def drop(self, request_id: str) -> bool:
+        """The consumer stops reading (its stream is closed unread); False if it already
+        finished."""
+
+        def cancel() -> bool:
+            scope = self._scopes.get(request_id)
+            if scope is None:
+                return False
+            scope.cancel()
+            return True
+
+        result: bool = self.call(cancel)
+        return result
+
+    def rpc(self, method: str, *args: Any, timeout: float | None = 10.0) -> Any:
+        engine = self._engine()
+
+        async def call() -> Any:
+            return await engine.collective_rpc(method, *args, timeout=timeout)
+
+        return self.run(call)
+
+    def sleep(self, seconds: float) -> None:
+        async def pause() -> None:
+            await trio.sleep(seconds)
+
+        self.run(pause)
+
+    def wait_finished(
+        self, request_ids: Iterable[str] | None = None, *, timeout: float = 30.0
+    ) -> bool:
+        """Wait until the consumers of ``request_ids`` (default: all) are done; False if
+        ``timeout`` passed first."""
+        ids = None if request_ids is None else list(request_ids)
+
+        async def wait() -> bool:
+            with trio.move_on_after(timeout):
+                await self._wait_consumers(ids)
+                return True
+            return False
+
+        result: bool = self.run(wait)
+        return result
+
+    async def _wait_consumers(self, ids: list[str] | None) -> None:
+        while True:
+            pending = [
+                r for rid, r in self.consumers.items() if not r.done and (ids is None or rid in ids)
+            ]
+            if not pending:
+                return
+            await self._changed.wait()
+
+    # -- faults --------------------------------------------------------------------------
+
+    def crash_worker(self, rank: int = 0, sig: int = signal.SIGKILL) -> str:
+        """Kill worker ``rank``: SIGKILL its process (process backends), or, in-process,
+        fail the group closed as a dead process would (the thread is stopped by the
+        restart).  Returns what was done."""
+        engine = self._engine()
+
+        def crash() -> str:
+            executor = engine.executor
+            pids = getattr(executor, "worker_pids", None)
+            if callable(pids):
+                pid = pids().get(rank)
+                if pid is not None:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        return "gone"
+                    return f"killed pid {pid}"
+            executor.fail(
+                WorkerError("injected crash (in-process)", worker=rank, error_type="WorkerDied")
+            )
+            stop = getattr(executor, "stop_flags", None)
+            if stop is not None:
+                stop.stop_everything()
+            return "failed in-process group"
+
+        result: str = self.call(crash)
+        return result
+
+    def _engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise RuntimeError("no engine is open")
+        return self.engine
+
+
+def run_driven(
+    fn: Callable[[EngineDriver], T],
+    *,
+    trace: TraceRecorder | None = None,
+    call_timeout_s: float = 60.0,
+) -> T:
+    """Run a trio loop in this thread and ``fn(driver)`` in a worker thread; return what
+    ``fn`` returns (or raise what it raised).  An engine ``fn`` left open is closed."""
+    box: list[T] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            driver = EngineDriver(
+                trio.lowlevel.current_trio_token(),
+                nursery,
+                trace=trace,
+                call_timeout_s=call_timeout_s,
+            )
+            try:
+                box.append(await trio.to_thread.run_sync(fn, driver))
+            finally:
+                with trio.CancelScope(shield=True):
+                    if driver.engine is not None:
+                        if driver._close is not None:
+                            driver._close.set()
+                        if driver._closed is not None:
+                            await driver._closed.wait()
+                        driver.engine = None
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return box[0]

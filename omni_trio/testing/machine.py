@@ -1,0 +1,377 @@
+"""Hypothesis state machines that drive a real engine and check its lifecycle invariants.
+
+:func:`make_engine_machine` builds a ``RuleBasedStateMachine`` for one backend and mode.
+Each example opens a real engine on ``builtin:echo`` (whose images name their request and
+seed) and applies rules -- submit (random steps, seed and an optional fault), abort, drop a
+consumer, let time pass, crash a worker, RPC, close and reopen -- checking the invariant
+checker over the trace after every rule (no violation may ever appear, even mid-flight) and,
+when an engine closes, over its whole trace plus a small reference model of what each
+request must have ended as:
+
+* a request with no fault, not aborted, not dropped, not caught by a close and not exposed
+  to a fault (another request's fault or a crash while it was live) completes;
+* a request whose own fault fires (raise, fail packing, crash, hang) does not complete;
+* nothing of the engine is left after close (threads, shared memory, worker processes).
+
+:func:`run_engine_machine` runs one machine as a test (inside :func:`run_driven`, so the
+engine lives in a real trio loop in the calling thread) and returns campaign counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+from hypothesis import settings as Settings
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from .._core.request import SamplingParams
+from .._core.trace import TraceEvent, TraceKind, TraceRecorder
+from ..config import EngineConfig
+from ..errors import OmniTrioError
+from .driver import EngineDriver, leftover_resources, run_driven
+from .faults import Fault, FaultSpec, with_faults
+from .invariants import InvariantViolation, check_trace
+
+__all__ = [
+    "BENIGN_FAULTS",
+    "FAILING_FAULTS",
+    "CampaignStats",
+    "MachineOptions",
+    "engine_config_for",
+    "make_engine_machine",
+    "run_engine_machine",
+]
+
+log = logging.getLogger(__name__)
+_K = TraceKind
+
+# Faults after which the request must not complete (when they fire), and faults that only
+# slow it down.
+FAILING_FAULTS = (
+    Fault.RAISE_AT_STEP,
+    Fault.FAIL_PACKING,
+    Fault.CRASH_AT_STEP,
+    Fault.SIGKILL_AT_STEP,
+    Fault.HANG_AT_STEP,
+)
+BENIGN_FAULTS = (Fault.SLOW_PACKING, Fault.DELAY_COMPUTE_DONE, Fault.DELAY_OUTPUT_READY)
+_STEP_FAULTS = frozenset(
+    {Fault.RAISE_AT_STEP, Fault.CRASH_AT_STEP, Fault.SIGKILL_AT_STEP, Fault.HANG_AT_STEP}
+)
+_WORKER_FAULTS = frozenset({Fault.CRASH_AT_STEP, Fault.SIGKILL_AT_STEP, Fault.HANG_AT_STEP})
+
+
+@dataclass(frozen=True)
+class MachineOptions:
+    """What a campaign fuzzes: backend, mode, batch size and which faults to inject."""
+
+    backend: str = "inproc"
+    mode: str = "request"  # "request" or "step"
+    max_num_seqs: int = 2
+    step_delay_s: float = 0.005
+    faults: tuple[Fault, ...] = FAILING_FAULTS + BENIGN_FAULTS
+    crash_rule: bool = True
+    close_rule: bool = True
+    cache_dir: str | None = None
+    # Every consumer must be done this long after its engine closed (INV-6).
+    settle_timeout_s: float = 60.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["faults"] = [f.value for f in self.faults]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MachineOptions:
+        data = dict(data)
+        data["faults"] = tuple(Fault(f) for f in data.get("faults", ()))
+        return cls(**data)
+
+
+def engine_config_for(options: MachineOptions) -> EngineConfig:
+    """The engine configuration a machine runs: echo, fault injection on, quick restarts,
+    a short stall deadline (so a hang is caught in about a second)."""
+    step = options.mode == "step"
+    return EngineConfig(
+        model="builtin:echo",
+        model_options={"step_delay_s": options.step_delay_s},
+        backend=options.backend,
+        cache_dir=options.cache_dir,
+        torch_threads=1,
+        step_execution=step,
+        streaming_output=step,
+        max_num_seqs=options.max_num_seqs,
+        warmup=False,
+        fault_injection=True,
+        max_worker_restarts=10_000,
+        worker_restart_backoff_s=0.01,
+        worker_restart_backoff_max_s=0.05,
+        max_retries_on_worker_failure=1,
+        worker_stall_timeout_s=1.0,
+        worker_heartbeat_timeout_s=10.0,
+        close_timeout_s=5.0,
+    )
+
+
+@dataclass
+class CampaignStats:
+    """Counters of a campaign (updated as it runs; read them from another thread)."""
+
+    examples: int = 0
+    rules: int = 0
+    requests: int = 0
+    faults_injected: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    invariant_checks: int = 0
+    engines: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    last_trace: list[TraceEvent] = field(default_factory=list)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def rate(self, count: int) -> float:
+        return count / max(self.elapsed_s, 1e-9)
+
+
+@dataclass
+class _Submitted:
+    request_id: str
+    steps: int
+    fault: FaultSpec | None
+
+
+def _fault_fires(spec: FaultSpec | None, steps: int) -> bool:
+    if spec is None or spec.kind not in FAILING_FAULTS:
+        return False
+    if spec.kind in _STEP_FAULTS:
+        return spec.step is not None and spec.step < steps
+    return True
+
+
+def make_engine_machine(
+    options: MachineOptions, driver_ref: Callable[[], EngineDriver], stats: CampaignStats
+) -> type[RuleBasedStateMachine]:
+    """A state machine class for ``options``; ``driver_ref()`` gives the running driver."""
+    config = engine_config_for(options)
+    fault_kinds = tuple(sorted(options.faults, key=lambda f: f.value))
+    fault_strategy = st.sampled_from(fault_kinds) if fault_kinds else st.nothing()
+
+    class EngineMachine(RuleBasedStateMachine):
+        requests = Bundle("requests")
+        description: ClassVar[str] = f"{options.backend}/{options.mode}"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.driver = driver_ref()
+            self.submitted: dict[str, _Submitted] = {}
+            # Trace positions (index in the current recorder) where a fault was injected.
+            self.fault_marks: list[int] = []
+            self._open_engine()
+            stats.examples += 1
+
+        # -- engine lifecycle ------------------------------------------------------------
+
+        def _open_engine(self) -> None:
+            self.driver.trace = TraceRecorder()
+            self.driver.consumers.clear()
+            self.submitted.clear()
+            self.fault_marks.clear()
+            self.driver.open(config)
+            stats.engines += 1
+
+        def _close_engine_and_check(self) -> None:
+            driver = self.driver
+            driver.close()
+            trace = driver.trace
+            last = trace.events[-1].time if len(trace) else 0.0
+            trace.record(last, _K.CLOSED, detail={"leftovers": leftover_resources()})
+            events = trace.events
+            stats.last_trace = events
+            stats.restarts += sum(1 for e in events if e.kind is _K.RESTART)
+            stats.invariant_checks += 1
+            violations = check_trace(events, closed=True)
+            if violations:
+                raise InvariantViolation(violations)
+            self._check_outcomes(events)
+
+        def _check_outcomes(self, events: list[TraceEvent]) -> None:
+            """The reference model: what each request must have ended as."""
+            first: dict[tuple[str, TraceKind], int] = {}
+            terminal_status: dict[str, str] = {}
+            for index, event in enumerate(events):
+                if event.request_id is not None:
+                    first.setdefault((event.request_id, event.kind), index)
+                    if event.kind is _K.TERMINAL:
+                        terminal_status[event.request_id] = str(event.detail.get("status"))
+                elif event.kind is _K.CLOSE:
+                    first.setdefault(("", _K.CLOSE), index)
+            close_at = first.get(("", _K.CLOSE), len(events))
+            for rid, sub in self.submitted.items():
+                admit = first.get((rid, _K.ADMIT))
+                end = first.get((rid, _K.TERMINAL))
+                assert admit is not None and end is not None, f"{rid}: no admit/terminal"
+                status = terminal_status[rid]
+                stopped = min(
+                    first.get((rid, _K.ABORT), len(events)),
+                    first.get((rid, _K.CONSUMER_DROP), len(events)),
+                    close_at,
+                )
+                if stopped < end:
+                    continue  # aborted, dropped or closed while live: any terminal status
+                if _fault_fires(sub.fault, sub.steps):
+                    assert status != "FINISHED_COMPLETED", (
+                        f"{rid}: its fault {sub.fault} fired but it completed"
+                    )
+                    continue
+                exposed = any(admit <= mark <= end for mark in self.fault_marks)
+                if not exposed:
+                    assert status == "FINISHED_COMPLETED", (
+                        f"{rid}: no fault, no abort, no crash while it ran, yet it ended {status}"
+                    )
+
+        # -- rules -------------------------------------------------------------------------
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule(
+            target=requests,
+            steps=st.integers(1, 4),
+            seed=st.integers(0, 2**31 - 1),
+            fault=st.one_of(st.none(), st.none(), fault_strategy),
+            fault_step=st.integers(0, 3),
+            delay=st.sampled_from([0.0, 0.02, 0.1]),
+        )
+        def submit(
+            self, steps: int, seed: int, fault: Fault | None, fault_step: int, delay: float
+        ) -> str:
+            params = SamplingParams(num_inference_steps=steps, seed=seed, height=32, width=32)
+            spec: FaultSpec | None = None
+            if fault is not None:
+                if fault in _STEP_FAULTS:
+                    spec = FaultSpec(fault, step=fault_step)
+                elif fault in BENIGN_FAULTS:
+                    spec = FaultSpec(fault, delay_s=delay)
+                else:
+                    spec = FaultSpec(fault)
+                params = with_faults(params, spec)
+            mark = len(self.driver.trace)
+            try:
+                rid = self.driver.submit("fuzz", params)
+            except OmniTrioError as exc:  # dead engine: acceptable only if it says so
+                assert self.driver.engine is not None and self.driver.engine.is_dead, exc
+                return "none"
+            if spec is not None:
+                stats.faults_injected += 1
+                if spec.kind in FAILING_FAULTS:
+                    self.fault_marks.append(mark)
+            self.submitted[rid] = _Submitted(rid, steps, spec)
+            stats.requests += 1
+            stats.rules += 1
+            return rid
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule(rid=requests)
+        def abort(self, rid: str) -> None:
+            self.driver.abort(rid)
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule(rid=requests)
+        def drop_consumer(self, rid: str) -> None:
+            self.driver.drop(rid)
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule(seconds=st.sampled_from([0.0, 0.01, 0.05, 0.2]))
+        def let_time_pass(self, seconds: float) -> None:
+            self.driver.sleep(seconds)
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open and options.crash_rule)
+        @rule()
+        def crash_worker(self) -> None:
+            self.fault_marks.append(len(self.driver.trace))
+            self.driver.crash_worker()
+            stats.crashes += 1
+            stats.faults_injected += 1
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule()
+        def rpc(self) -> None:
+            try:
+                reply = self.driver.rpc("ping", timeout=10.0)
+            except OmniTrioError:
+                pass  # the group failed under it, or the engine died: a typed error is fine
+            else:
+                assert isinstance(reply, dict), reply
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open)
+        @rule()
+        def wait_for_everything(self) -> None:
+            assert self.driver.wait_finished(timeout=options.settle_timeout_s), (
+                "requests did not finish within the settle timeout (INV-6)"
+            )
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open and options.close_rule)
+        @rule()
+        def close_and_reopen(self) -> None:
+            self._close_engine_and_check()
+            self._open_engine()
+            stats.rules += 1
+
+        @invariant()
+        def no_violation_so_far(self) -> None:
+            if not self.driver.is_open:
+                return
+            stats.invariant_checks += 1
+            violations = check_trace(self.driver.call(lambda: self.driver.trace.events))
+            if violations:
+                raise InvariantViolation(violations)
+
+        def teardown(self) -> None:
+            if self.driver.is_open:
+                self._close_engine_and_check()
+
+    EngineMachine.__name__ = EngineMachine.__qualname__ = (
+        f"EngineMachine_{options.backend}_{options.mode}"
+    )
+    return EngineMachine
+
+
+def run_engine_machine(
+    options: MachineOptions,
+    settings: Settings,
+    *,
+    stats: CampaignStats | None = None,
+) -> CampaignStats:
+    """Run the machine for ``options`` under ``settings`` as a test; raise on the first
+    failure (Hypothesis shrinks it first).  Returns the campaign counters."""
+    stats = stats if stats is not None else CampaignStats()
+    if options.cache_dir is None:
+        options = dataclasses.replace(options, cache_dir=tempfile.gettempdir() + "/omni-trio-fuzz")
+
+    def scenario(driver: EngineDriver) -> None:
+        machine = make_engine_machine(options, lambda: driver, stats)
+        run_state_machine_as_test(machine, settings=settings)
+
+    run_driven(scenario)
+    return stats
