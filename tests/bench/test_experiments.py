@@ -214,3 +214,17 @@ def test_an_unknown_model_is_a_usage_error(
     assert code == 2
     assert data == {}
     assert "builtin:nope" in capsys.readouterr().err
+
+
+def test_recovery_quick(tmp_path: Path, cache_dir: Path) -> None:
+    code, data, out = _run(["recovery", "--cache-dir", str(cache_dir)], tmp_path)
+    assert code == 0, out
+    _check_common(data, "recovery")
+    results = data["results"]
+    for key in ("noticed_s", "serving_s", "recovered_s"):
+        _check_summary(results["recovery"][key])
+    assert results["recovery"]["noticed_s"]["max"] <= results["recovery"]["recovered_s"]["max"]
+    soak = results["soak"]
+    assert soak["kills"] >= 1 and soak["restarts"] == soak["kills"]
+    assert soak["requests_completed"] > 0 and soak["lost"] == []
+    assert results["invariant_violations"] == {"recovery": 0, "soak": 0}
