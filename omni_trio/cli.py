@@ -5,6 +5,7 @@
     omni-trio generate "a prompt" [--model M] [--steps N] [--seed S] [--size WxH] [-n K] [-o F]
     omni-trio demo [--model M] [--prompts N] [--steps N] [--out demo-grid.png]
     omni-trio version
+    omni-trio fuzz [--backend B] [--mode M] [--duration S] [--examples N] ... [--replay FILE]
     omni-trio bench ...        (registered when omni_trio.bench is installed)
 
 Exit codes: 0 success, 1 the run failed (a request failed or was aborted, the engine died,
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     version = sub.add_parser("version", help="print the version and the key dependencies")
     version.set_defaults(handler=cmd_version)
 
+    from .fuzz import add_fuzz_parser  # imports Hypothesis only when it runs
+
+    add_fuzz_parser(sub)
     _add_plugin_commands(sub)
     return parser
 

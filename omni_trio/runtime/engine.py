@@ -459,6 +459,11 @@ class AsyncEngine:
             result = BatchRunnerOutput.from_list(
                 [RunnerOutput.from_exception(rid, exc) for rid in sched_out.scheduled_request_ids]
             )
+        if executor.is_dead:
+            # The group failed while this call ran (an in-process worker told to stop
+            # everything returns "aborted" for requests nobody aborted): its results are not
+            # trusted; recovery reruns the requests with their seeds.
+            raise _GroupFailed()
         if trace is not None:
             for out in result:
                 if out.error is not None:

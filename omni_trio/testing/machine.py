@@ -343,8 +343,10 @@ def make_engine_machine(
             if not self.driver.is_open:
                 return
             stats.invariant_checks += 1
-            violations = check_trace(self.driver.call(lambda: self.driver.trace.events))
+            events = self.driver.call(lambda: self.driver.trace.events)
+            violations = check_trace(events)
             if violations:
+                stats.last_trace = events
                 raise InvariantViolation(violations)
 
         def teardown(self) -> None:
