@@ -6,6 +6,7 @@
     omni-trio demo [--model M] [--prompts N] [--steps N] [--out demo-grid.png]
     omni-trio version
     omni-trio fuzz [--backend B] [--mode M] [--duration S] [--examples N] ... [--replay FILE]
+    omni-trio serve --model M [--replicas K] [--host H] [--port P] [--config FILE] ...
     omni-trio bench ...        (registered when omni_trio.bench is installed)
 
 Exit codes: 0 success, 1 the run failed (a request failed or was aborted, the engine died,
@@ -255,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .fuzz import add_fuzz_parser  # imports Hypothesis only when it runs
 
     add_fuzz_parser(sub)
+    from .serve.daemon import add_serve_parser  # hypercorn is imported only when it runs
+
+    add_serve_parser(sub)
     _add_plugin_commands(sub)
     return parser
 

@@ -1,0 +1,866 @@
+"""The ASGI app of ``omni-trio serve``: raw ASGI, no web framework, so every byte a client
+sees is ours (no framework error page can ever leak).
+
+Routes::
+
+    POST   /v1/images/generations    generate (JSON, or server-sent events with stream=true)
+    DELETE /v1/requests/{id}         abort a queued or running generation
+    GET    /v1/files/{id}/content    an image kept for response_format=url
+    GET    /v1/models                the served model
+    GET    /health                   200 while the event loop answers (liveness)
+    GET    /ready                    200 when every replica is open and healthy, else 503
+    GET    /metrics                  Prometheus text exposition
+
+Auth: when ``api_key`` is set, every ``/v1/*`` route and ``/metrics`` need
+``Authorization: Bearer <key>`` (compared in constant time), else 401.  ``/health`` and
+``/ready`` stay open for probes (they reveal nothing but the replica states).
+
+Every error is the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``;
+an unexpected failure is logged with its traceback and answered 500 with a generic message
+naming the request id.  ``__call__`` never raises for anything a client sends.
+
+Every response carries ``X-Request-Id``: the client's (validated: 1..128 characters of
+``[A-Za-z0-9._:-]``; an invalid one is a 400 on ``/v1/*``, replaced elsewhere) or a
+generated one.  For a generation it is the engine's request id,
+so ``DELETE /v1/requests/{id}`` cancels it.  Each request ends with one structured access
+record passed to ``log`` (see :class:`ImagesApp`).
+
+Cancellation: a client that disconnects while its generation is queued or running aborts
+it (the worker stops at its next step); a request ``timeout`` aborts it too (504).  If the
+server cancels a handler (shutdown), the request is aborted the same way.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .._core.lifecycle import RequestStatus
+from .._core.messages import DiffusionOutput
+from ..errors import (
+    RETRYABLE_ERROR_TYPES,
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+)
+from .images import (
+    IGNORED_FIELDS_HEADER,
+    ApiError,
+    ImageStore,
+    ParsedRequest,
+    ServeLimits,
+    encode_b64,
+    encode_image,
+    error_body,
+    image_size,
+    images_response,
+    parse_generation_request,
+)
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServeMetrics
+from .pool import DrainingError, EnginePool, NotReadyError, QueueFullError, Submission
+from .pool import new_request_id as _new_request_id
+
+__all__ = ["ImagesApp", "Receive", "Scope", "Send", "is_valid_request_id"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+AccessLog = Callable[[dict[str, Any]], None]
+
+_log = logging.getLogger(__name__)
+_access_log = logging.getLogger("omni_trio.serve.access")
+
+RETRY_AFTER_S = 2
+# After answering without reading the whole body (413, 401...), the rest is read and
+# discarded for at most this long / this many bytes so the client, still sending, can read
+# the answer; then the connection is closed.
+LINGER_S = 2.0
+LINGER_MAX_BYTES = 64 * 1024 * 1024
+DISCONNECTED_STATUS = 499  # logs and metrics only: nobody reads it
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Engine parameter names -> API field names, for errors the engine's validation raises.
+_ENGINE_PARAMS = {
+    "height": "size",
+    "width": "size",
+    "num_outputs_per_prompt": "n",
+    "request_id": "X-Request-Id",
+    "sampling": None,
+    "extra_args": None,
+}
+
+
+def is_valid_request_id(value: str) -> bool:
+    """A client-chosen ``X-Request-Id``: 1..128 characters of ``[A-Za-z0-9._:-]``."""
+    return _REQUEST_ID.fullmatch(value) is not None
+
+
+class _Disconnected(Exception):
+    """The client went away before we could answer."""
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One HTTP request being answered: its identity, and what the log line and metrics
+    need once it ends."""
+
+    method: str
+    path: str
+    headers: dict[str, list[str]]
+    request_id: str
+    client: str | None
+    http1: bool = True  # "Connection: close" exists only in HTTP/1
+    start: float = field(default_factory=time.perf_counter)
+    route: str = "unknown"
+    status: int = 0
+    outcome: str = "ok"
+    started: bool = False  # the response headers went out
+    sse: bool = False  # the response is an event stream
+    body_complete: bool = False  # the request body was read to its end
+    response_headers: list[tuple[str, str]] = field(default_factory=list)
+    detail: str | None = None  # for the log only, never for the client
+
+    def header(self, name: str) -> str | None:
+        values = self.headers.get(name)
+        return values[0] if values else None
+
+
+def _retry_after() -> list[tuple[str, str]]:
+    return [("Retry-After", str(RETRY_AFTER_S))]
+
+
+def _unavailable(message: str, code: str) -> ApiError:
+    return ApiError(503, message, type="server_error", code=code, headers=_retry_after())
+
+
+def _default_base_url(scope: Scope) -> str:
+    """``scheme://host`` from the request's Host header (else the bound address)."""
+    scheme = scope.get("scheme", "http")
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"host":
+            host = value.decode("latin-1")
+            if re.fullmatch(r"[A-Za-z0-9.\-\[\]:]{1,255}", host):
+                return f"{scheme}://{host}"
+    server = scope.get("server")
+    if server:
+        return f"{scheme}://{server[0]}:{server[1]}"
+    return f"{scheme}://localhost"
+
+
+def _partial_targets(previews: int, wanted: int) -> set[int]:
+    """Which of ``previews`` preview chunks to send when ``wanted`` partial images are asked:
+    evenly spaced, ending at the last preview."""
+    if previews <= 0 or wanted <= 0:
+        return set()
+    if wanted >= previews:
+        return set(range(previews))
+    return {math.ceil((i + 1) * previews / wanted) - 1 for i in range(wanted)}
+
+
+class ImagesApp:
+    """The ASGI app (see the module docstring).  Serve it with hypercorn's trio worker in
+    the same trio run as ``pool.serve``.
+
+    ``base_url_fn(scope)`` gives the ``scheme://host[:port]`` put in front of file URLs
+    (default: from the request's Host header).  ``log(record)`` receives one dict per
+    request: ``request_id``, ``method``, ``path``, ``route``, ``status``, ``outcome``
+    (``ok``, ``rejected``, ``error``, ``cancelled``, ``timeout``, ``disconnected``,
+    ``aborted``), ``ms``, ``client`` and, for failures, ``detail`` (server-side only).
+    ``log`` may also be a :class:`logging.Logger` (default: ``omni_trio.serve.access``):
+    one line per request (INFO; WARNING for 5xx) with the record's fields as ``extra``.
+    """
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        *,
+        model_name: str,
+        limits: ServeLimits,
+        api_key: str | None,
+        store: ImageStore,
+        metrics: ServeMetrics,
+        base_url_fn: Callable[[Scope], str] | None = None,
+        log: AccessLog | logging.Logger | None = None,
+        progress_interval_s: float = 0.25,
+    ) -> None:
+        self.pool = pool
+        self.model_name = model_name
+        self.limits = limits
+        self._api_key = api_key.encode() if api_key else None
+        self.store = store
+        self.metrics = metrics
+        self._base_url = base_url_fn or _default_base_url
+        self._log: AccessLog = (
+            log if callable(log) and not isinstance(log, logging.Logger) else _logger_sink(log)
+        )
+        self._progress_interval_s = progress_interval_s
+        self._created = int(time.time())
+
+    # -- ASGI entry ------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope.get("type")
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """Nothing to set up: the pool is started by the daemon, not by the app."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers: dict[str, list[str]] = {}
+        for raw_name, raw_value in scope.get("headers", ()):
+            name = raw_name.decode("latin-1").lower()
+            headers.setdefault(name, []).append(raw_value.decode("latin-1"))
+        client = scope.get("client")
+        ex = _Exchange(
+            method=scope.get("method", "GET"),
+            path=scope.get("path", "/"),
+            headers=headers,
+            request_id=_new_request_id(),
+            client=f"{client[0]}:{client[1]}" if client else None,
+            http1=str(scope.get("http_version", "1.1")).startswith("1"),
+        )
+        # HTTP/1.1: a request with neither header has no body (nothing to read or discard).
+        lengths = headers.get("content-length", [])
+        ex.body_complete = "transfer-encoding" not in headers and lengths in ([], ["0"])
+        try:
+            try:
+                await self._dispatch(ex, scope, receive, send)
+            except ApiError as err:
+                await self._send_error(ex, send, err)
+            except _Disconnected:
+                ex.status, ex.outcome = DISCONNECTED_STATUS, "disconnected"
+            if not ex.body_complete and ex.status != DISCONNECTED_STATUS:
+                await self._discard_body(ex, receive)
+        except Exception as exc:
+            ex.detail = f"{type(exc).__name__}: {exc}"
+            _log.exception("request %s (%s %s) failed", ex.request_id, ex.method, ex.path)
+            await self._answer_internal_error(ex, send)
+        finally:
+            self._finish(ex)
+
+    def _finish(self, ex: _Exchange) -> None:
+        if ex.outcome == "ok" and ex.status >= 400:
+            ex.outcome = "rejected" if ex.status < 500 else "error"
+        record = {
+            "request_id": ex.request_id,
+            "method": ex.method,
+            "path": ex.path,
+            "route": ex.route,
+            "status": ex.status,
+            "outcome": ex.outcome,
+            "ms": round((time.perf_counter() - ex.start) * 1000.0, 3),
+            "client": ex.client,
+        }
+        if ex.detail is not None:
+            record["detail"] = ex.detail
+        try:
+            self.metrics.observe_request(ex.route, ex.status)
+            self._log(record)
+        except Exception:  # pragma: no cover - a broken logger must not break serving
+            _log.exception("access log failed for %s", ex.request_id)
+
+    # -- routing ---------------------------------------------------------------------------
+
+    async def _dispatch(self, ex: _Exchange, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = ex.path, ex.method
+        ids = ex.headers.get("x-request-id")
+        bad_id = False
+        if ids is not None:
+            if len(ids) == 1 and is_valid_request_id(ids[0]):
+                ex.request_id = ids[0]
+            else:
+                bad_id = path.startswith("/v1/")  # probes and scrapes are never refused
+        if path.startswith("/v1/") or path == "/metrics":
+            self._authenticate(ex)
+        if bad_id:
+            raise ApiError(
+                400,
+                "X-Request-Id must be 1..128 characters of [A-Za-z0-9._:-], given once",
+                param="X-Request-Id",
+                code="invalid_request_id",
+            )
+
+        if path == "/v1/images/generations":
+            ex.route = path
+            self._allow(ex, "POST")
+            await self._generate(ex, receive, send, self._base_url(scope))
+        elif path.startswith("/v1/requests/") and path.count("/") == 3:
+            ex.route = "/v1/requests/{id}"
+            self._allow(ex, "DELETE")
+            await self._cancel(ex, send, path.rsplit("/", 1)[1])
+        elif path.startswith("/v1/files/") and path.endswith("/content") and path.count("/") == 4:
+            ex.route = "/v1/files/{id}/content"
+            self._allow(ex, "GET")
+            await self._file(ex, send, path.split("/")[3])
+        elif path == "/v1/models":
+            ex.route = path
+            self._allow(ex, "GET")
+            await self._models(ex, send)
+        elif path == "/health":
+            ex.route = path
+            self._allow(ex, "GET")
+            await self._send_json(ex, send, 200, {"status": "ok"})
+        elif path == "/ready":
+            ex.route = path
+            self._allow(ex, "GET")
+            await self._ready(ex, send)
+        elif path == "/metrics":
+            ex.route = path
+            self._allow(ex, "GET")
+            await self._send_bytes(ex, send, 200, self.metrics.render(), METRICS_CONTENT_TYPE)
+        else:
+            raise ApiError(404, f"Invalid URL ({method} {path})", code="unknown_url")
+
+    def _allow(self, ex: _Exchange, method: str) -> None:
+        if ex.method != method:
+            raise ApiError(
+                405,
+                f"Method {ex.method} is not allowed for {ex.route}; use {method}",
+                code="method_not_allowed",
+                headers=[("Allow", method)],
+            )
+
+    def _authenticate(self, ex: _Exchange) -> None:
+        if self._api_key is None:
+            return
+        values = ex.headers.get("authorization") or []
+        given = b""
+        if len(values) == 1:
+            scheme, _, token = values[0].partition(" ")
+            if scheme.lower() == "bearer":
+                given = token.strip().encode("latin-1")
+        if not given or not hmac.compare_digest(given, self._api_key):
+            message = (
+                "Incorrect API key provided"
+                if given
+                else "Missing API key: send 'Authorization: Bearer <key>'"
+            )
+            raise ApiError(
+                401, message, code="invalid_api_key", headers=[("WWW-Authenticate", "Bearer")]
+            )
+
+    # -- small routes ----------------------------------------------------------------------
+
+    async def _models(self, ex: _Exchange, send: Send) -> None:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "omni-trio",
+        }
+        await self._send_json(ex, send, 200, {"object": "list", "data": [model]})
+
+    async def _ready(self, ex: _Exchange, send: Send) -> None:
+        ready, reason = self.pool.readiness()
+        if not ready:
+            raise _unavailable(f"not ready: {reason}", "not_ready")
+        await self._send_json(
+            ex, send, 200, {"status": "ready", "replicas": self.pool.replicas_info()}
+        )
+
+    async def _cancel(self, ex: _Exchange, send: Send, request_id: str) -> None:
+        outcome = self.pool.abort(request_id)
+        if outcome == "unknown":
+            raise ApiError(
+                404, f"No request with id {request_id!r}", param="id", code="request_not_found"
+            )
+        if outcome == "finished":
+            raise ApiError(
+                409,
+                f"Request {request_id!r} already finished",
+                param="id",
+                code="request_finished",
+            )
+        await self._send_json(
+            ex, send, 200, {"id": request_id, "object": "request", "status": "cancelled"}
+        )
+
+    async def _file(self, ex: _Exchange, send: Send, file_id: str) -> None:
+        found = self.store.get(file_id)
+        if found is None:
+            raise ApiError(
+                404, f"No file with id {file_id!r} (unknown or expired)", code="file_not_found"
+            )
+        data, content_type = found
+        await self._send_bytes(ex, send, 200, data, content_type, cache="private, max-age=60")
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def _read_body(self, ex: _Exchange, receive: Receive) -> bytes:
+        """The request body, refused (413) past ``max_body_bytes`` -- by Content-Length
+        before reading anything, else as soon as the count passes the cap."""
+        limit = self.limits.max_body_bytes
+        declared = ex.header("content-length")
+        if declared is not None:
+            if not declared.isdigit() or len(ex.headers["content-length"]) != 1:
+                raise ApiError(400, "invalid Content-Length header", code="invalid_request")
+            if int(declared) > limit:
+                raise ApiError(
+                    413,
+                    f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                ex.body_complete = True
+                raise _Disconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    413,
+                    f"request body exceeds the limit of {limit} bytes",
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                ex.body_complete = True
+                return b"".join(chunks)
+
+    async def _discard_body(self, ex: _Exchange, receive: Receive) -> None:
+        """Read and drop what is left of the body (bounded), so a client still sending it
+        can read our answer."""
+        discarded = 0
+        with trio.move_on_after(LINGER_S):
+            while discarded <= LINGER_MAX_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+                discarded += len(message.get("body", b""))
+        ex.body_complete = True
+
+    def _parse(self, ex: _Exchange, body: bytes) -> ParsedRequest:
+        try:
+            decoded = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(
+                400,
+                f"the request body is not valid JSON ({type(exc).__name__})",
+                code="invalid_json",
+            )
+        parsed = parse_generation_request(
+            decoded, limits=self.limits, default_model=self.model_name
+        )
+        if parsed.ignored_fields:
+            ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))
+        return parsed
+
+    def _submit(self, ex: _Exchange, parsed: ParsedRequest) -> Submission:
+        try:
+            return self.pool.submit(parsed.prompt, parsed.params, request_id=ex.request_id)
+        except DuplicateRequestError:
+            raise ApiError(
+                409,
+                f"a request with id {ex.request_id!r} is already in flight",
+                param="X-Request-Id",
+                code="duplicate_request_id",
+            )
+        except InvalidRequestError as exc:
+            param = _ENGINE_PARAMS.get(exc.param or "", exc.param)
+            raise ApiError(400, str(exc), param=param, code="invalid_value")
+        except QueueFullError as exc:
+            raise ApiError(
+                429, str(exc), type="rate_limit_error", code="queue_full", headers=_retry_after()
+            )
+        except DrainingError as exc:
+            raise _unavailable(str(exc), "draining")
+        except NotReadyError as exc:
+            raise _unavailable(f"not ready: {exc}", "not_ready")
+        except EngineDeadError:
+            raise _unavailable("the engine is dead; the server is restarting", "engine_dead")
+        except EngineClosedError:
+            raise _unavailable("the engine is closed", "engine_closed")
+
+    async def _generate(self, ex: _Exchange, receive: Receive, send: Send, base_url: str) -> None:
+        content_type = (ex.header("content-type") or "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise ApiError(
+                415,
+                "Content-Type must be application/json",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
+        parsed = self._parse(ex, await self._read_body(ex, receive))
+        submission = self._submit(ex, parsed)
+        # Whatever happens from here on, leaving this block ends the request and frees its
+        # slot in the pool (re-entering the stream below is harmless).
+        async with submission.stream:
+            if parsed.stream:
+                await self._generate_events(ex, submission, parsed, receive, send)
+            else:
+                await self._generate_json(ex, submission, parsed, receive, send, base_url)
+
+    async def _follow(
+        self,
+        ex: _Exchange,
+        submission: Submission,
+        parsed: ParsedRequest,
+        receive: Receive,
+        on_chunk: Callable[[DiffusionOutput], Awaitable[None]] | None = None,
+        on_tick: Callable[[], Awaitable[None]] | None = None,
+    ) -> DiffusionOutput | None:
+        """Read the request's stream to its terminal output, which is returned.
+
+        Meanwhile a task watches for the client's disconnect and another calls ``on_tick``
+        every ``progress_interval_s``.  A disconnect or the request's ``timeout`` stops
+        reading, which aborts the request (the worker stops at its next step); then None
+        is returned with ``ex.outcome`` set to ``disconnected`` or ``timeout``.
+        """
+        final: DiffusionOutput | None = None
+        gone = False
+
+        async def watch_disconnect(scope: trio.CancelScope) -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            scope.cancel()
+
+        async def tick() -> None:
+            assert on_tick is not None
+            while True:
+                await trio.sleep(self._progress_interval_s)
+                await on_tick()
+
+        timeout = parsed.timeout if parsed.timeout is not None else math.inf
+        async with submission.stream as stream, trio.open_nursery() as nursery:
+            nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+            if on_tick is not None:
+                nursery.start_soon(tick)
+            with trio.move_on_after(timeout) as timer:
+                async for output in stream:
+                    if output.finished:
+                        final = output
+                    elif on_chunk is not None:
+                        await on_chunk(output)
+            nursery.cancel_scope.cancel()
+        if final is not None:
+            return final
+        if gone:
+            ex.status, ex.outcome = DISCONNECTED_STATUS, "disconnected"
+            self.metrics.observe_abort("disconnect")
+        elif timer.cancelled_caught:
+            ex.outcome = "timeout"
+            self.metrics.observe_abort("timeout")
+        return None
+
+    def _timeout_error(self, ex: _Exchange, parsed: ParsedRequest) -> ApiError:
+        return ApiError(
+            504,
+            f"request {ex.request_id} did not finish within its timeout of {parsed.timeout} s "
+            "and was aborted",
+            type="server_error",
+            param="timeout",
+            code="timeout",
+        )
+
+    def _terminal_error(
+        self, ex: _Exchange, output: DiffusionOutput, submission: Submission
+    ) -> ApiError:
+        """The answer for a terminal output that is not a success."""
+        rid = output.request_id
+        ex.detail = f"{output.status.name}: {output.error_type}: {output.error}"
+        if output.status is RequestStatus.FINISHED_ABORTED:
+            reason = submission.stream.abort_reason
+            ex.outcome = "cancelled" if reason == "cancelled" else "aborted"
+            self.metrics.observe_abort(reason or "engine")
+            if reason == "cancelled":
+                return ApiError(
+                    409,
+                    f"request {rid} was cancelled (DELETE /v1/requests/{rid})",
+                    type="invalid_request_error",
+                    code="request_cancelled",
+                )
+            if output.error_type == "EngineClosedError" or reason is not None:
+                why = reason or "the server is shutting down"
+                return _unavailable(f"request {rid} was aborted: {why}", "aborted")
+            return _unavailable(f"request {rid} was aborted", "aborted")
+        error_type = output.error_type or "Error"
+        if error_type == "EngineDeadError":
+            return _unavailable(f"request {rid} failed: its engine died; retry", "engine_dead")
+        if error_type == "EngineClosedError":
+            return _unavailable(f"request {rid} was aborted: the engine closed", "engine_closed")
+        if error_type in RETRYABLE_ERROR_TYPES:
+            return _unavailable(
+                f"request {rid} failed on a worker failure ({error_type}); retry", error_type
+            )
+        return ApiError(
+            500,
+            f"request {rid} failed ({error_type})",
+            type="server_error",
+            code=error_type,
+        )
+
+    async def _encode_all(self, images: Sequence[Any], parsed: ParsedRequest) -> list[bytes]:
+        fmt, quality = parsed.output_format, parsed.output_compression
+        return await trio.to_thread.run_sync(
+            lambda: [encode_image(image, fmt, quality) for image in images]
+        )
+
+    async def _generate_json(
+        self,
+        ex: _Exchange,
+        submission: Submission,
+        parsed: ParsedRequest,
+        receive: Receive,
+        send: Send,
+        base_url: str,
+    ) -> None:
+        final = await self._follow(ex, submission, parsed, receive)
+        if final is None:
+            if ex.outcome == "timeout":
+                raise self._timeout_error(ex, parsed)
+            return  # disconnected: nobody to answer
+        if final.status is not RequestStatus.FINISHED_COMPLETED:
+            raise self._terminal_error(ex, final, submission)
+        encoded = await self._encode_all(final.images, parsed)
+        data: list[dict[str, Any]] = []
+        for blob in encoded:
+            if parsed.response_format == "url":
+                file_id = self.store.put(blob, parsed.content_type)
+                data.append({"url": ImageStore.url_for(base_url, file_id), "revised_prompt": None})
+            else:
+                data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
+        total_ms = (time.perf_counter() - ex.start) * 1000.0
+        body = images_response(
+            request_id=final.request_id,
+            model=self.model_name,
+            seed=final.seed,
+            data=data,
+            output_format=parsed.output_format,
+            size=image_size(final.images[0]) if final.images else "auto",
+            metrics=final.metrics,
+            total_ms=total_ms,
+        )
+        self.metrics.observe_generation(final.metrics, total_ms, len(encoded))
+        await self._send_json(ex, send, 200, body)
+
+    async def _generate_events(
+        self,
+        ex: _Exchange,
+        submission: Submission,
+        parsed: ParsedRequest,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Answer with server-sent events: ``image_generation.progress`` (step/total, when
+        known), up to ``partial_images`` ``image_generation.partial_image`` (from step-mode
+        previews, evenly picked), then one ``image_generation.completed`` per image; any
+        failure after the headers went out is an ``error`` event with the envelope.  Images
+        in events are always ``b64_json`` (``response_format`` applies to JSON answers)."""
+        rid = submission.request_id
+        lock = trio.Lock()
+        ex.sse = True
+        await self._start(ex, send, 200, "text/event-stream", cache="no-cache")
+        last_progress: tuple[int, int] | None = None
+        targets: set[int] | None = None
+        partial_index = 0
+
+        async def emit(event: str, data: dict[str, Any]) -> None:
+            payload = f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+            async with lock:
+                await send(
+                    {"type": "http.response.body", "body": payload.encode(), "more_body": True}
+                )
+
+        async def progress(fallback: tuple[int, int] | None = None) -> None:
+            nonlocal last_progress
+            current = self.pool.progress(rid) or fallback
+            if current is not None and current != last_progress:
+                last_progress = current
+                step, total = current
+                await emit(
+                    "image_generation.progress",
+                    {"type": "image_generation.progress", "id": rid, "step": step, "total": total},
+                )
+
+        async def on_chunk(output: DiffusionOutput) -> None:
+            nonlocal targets, partial_index
+            await progress((output.chunk_index + 1, output.total_chunks))
+            if targets is None:
+                targets = _partial_targets(output.total_chunks - 1, parsed.partial_images)
+            if output.chunk_index not in targets or not output.images:
+                return
+            encoded = await self._encode_all(output.images, parsed)
+            created = int(time.time())
+            for image_index, (image, blob) in enumerate(zip(output.images, encoded, strict=True)):
+                await emit(
+                    "image_generation.partial_image",
+                    {
+                        "type": "image_generation.partial_image",
+                        "b64_json": encode_b64(blob),
+                        "partial_image_index": partial_index,
+                        "image_index": image_index,
+                        "created_at": created,
+                        "size": image_size(image),
+                        "output_format": parsed.output_format,
+                        "quality": "auto",
+                        "background": "auto",
+                        "id": rid,
+                    },
+                )
+            partial_index += 1
+
+        final = await self._follow(ex, submission, parsed, receive, on_chunk, progress)
+        if final is None:
+            if ex.outcome == "timeout":
+                ex.status = 504
+                await emit("error", {"type": "error", **self._timeout_error(ex, parsed).body()})
+                await self._end(send)
+            return  # disconnected: nobody to answer
+        if final.status is not RequestStatus.FINISHED_COMPLETED:
+            err = self._terminal_error(ex, final, submission)
+            ex.status = err.status
+            await emit("error", {"type": "error", **err.body()})
+            await self._end(send)
+            return
+        encoded = await self._encode_all(final.images, parsed)
+        created = int(time.time())
+        for image_index, (image, blob) in enumerate(zip(final.images, encoded, strict=True)):
+            await emit(
+                "image_generation.completed",
+                {
+                    "type": "image_generation.completed",
+                    "b64_json": encode_b64(blob),
+                    "image_index": image_index,
+                    "created_at": created,
+                    "size": image_size(image),
+                    "output_format": parsed.output_format,
+                    "quality": "auto",
+                    "background": "auto",
+                    "usage": None,
+                    "id": rid,
+                    "seed": final.seed,
+                },
+            )
+        total_ms = (time.perf_counter() - ex.start) * 1000.0
+        self.metrics.observe_generation(final.metrics, total_ms, len(encoded))
+        await self._end(send)
+
+    # -- responses -------------------------------------------------------------------------
+
+    async def _start(
+        self,
+        ex: _Exchange,
+        send: Send,
+        status: int,
+        content_type: str,
+        *,
+        length: int | None = None,
+        cache: str = "no-store",
+        extra: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        headers = [
+            (b"content-type", content_type.encode()),
+            (b"x-request-id", ex.request_id.encode()),
+            (b"cache-control", cache.encode()),
+        ]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        if not ex.body_complete and ex.http1:
+            headers.append((b"connection", b"close"))
+        for name, value in (*ex.response_headers, *extra):
+            headers.append((name.lower().encode(), value.encode("latin-1")))
+        ex.status = status
+        ex.started = True
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _end(self, send: Send) -> None:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_bytes(
+        self,
+        ex: _Exchange,
+        send: Send,
+        status: int,
+        payload: bytes,
+        content_type: str,
+        *,
+        cache: str = "no-store",
+        extra: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        await self._start(
+            ex, send, status, content_type, length=len(payload), cache=cache, extra=extra
+        )
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+    async def _send_json(
+        self,
+        ex: _Exchange,
+        send: Send,
+        status: int,
+        body: Any,
+        extra: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        await self._send_bytes(ex, send, status, payload, "application/json", extra=extra)
+
+    async def _send_error(self, ex: _Exchange, send: Send, err: ApiError) -> None:
+        if ex.started:  # pragma: no cover - errors after the headers are events
+            raise RuntimeError("an error raised after the response started") from err
+        await self._send_json(ex, send, err.status, err.body(), extra=err.headers)
+
+    async def _answer_internal_error(self, ex: _Exchange, send: Send) -> None:
+        """Answer an unexpected failure without internals (best effort: the client may be
+        gone, or the headers may have gone out already)."""
+        message = f"The server had an error while processing request {ex.request_id}"
+        body = error_body(message, type="server_error", code="internal_error")
+        try:
+            if not ex.started:
+                await self._send_json(ex, send, 500, body)
+            else:
+                if ex.sse:
+                    payload = f"event: error\ndata: {json.dumps({'type': 'error', **body})}\n\n"
+                    await send(
+                        {"type": "http.response.body", "body": payload.encode(), "more_body": True}
+                    )
+                await self._end(send)
+                ex.status = 500
+        except Exception:  # pragma: no cover - the transport itself failed
+            _log.debug("could not answer request %s", ex.request_id, exc_info=True)
+        ex.outcome = "error"
+
+
+def _logger_sink(logger: logging.Logger | None) -> AccessLog:
+    target = logger or _access_log
+
+    def sink(record: dict[str, Any]) -> None:
+        level = logging.WARNING if record["status"] >= 500 else logging.INFO
+        target.log(
+            level,
+            "%s %s %s -> %s %s %.1fms",
+            record["request_id"],
+            record["method"],
+            record["path"],
+            record["status"],
+            record["outcome"],
+            record["ms"],
+            extra=record,
+        )
+
+    return sink

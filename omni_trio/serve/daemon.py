@@ -1,0 +1,531 @@
+"""``omni-trio serve``: the engine pool and the HTTP API in one trio run, under a supervisor.
+
+:func:`serve_daemon` runs, in one ``trio.run``::
+
+    signal receiver (SIGTERM, SIGINT)   installed first, so the tractor executor leaves
+                                        SIGTERM to us (it handles it only when nobody does)
+    watchdog                            WATCHDOG=1 every WATCHDOG_USEC/2 from the event loop
+    hypercorn (trio worker)             binds, prints the listening line; /health answers,
+                                        /ready says 503 "starting" while the pool warms up
+    EnginePool.serve                    opens every replica (warmup included), then READY=1
+    status reporter                     STATUS= and a log line whenever readiness changes
+
+Shutdown (SIGTERM or SIGINT): ``STOPPING=1``, the pool stops admitting (new requests get 503
+with ``Retry-After``), in-flight requests get ``drain_timeout_s`` to finish (a second signal
+cuts that short), the rest are aborted with a terminal error ("server shutting down") and get
+a few seconds to write it, then hypercorn stops (its ``graceful_timeout`` bounds the last
+responses), the pool closes its engines, and the process exits 0.
+
+Exit codes (:data:`EXIT_CODES`): 0 stopped by a signal, drained; 1 failed to start (cannot
+bind, model failed to load or warm up) or an unexpected error; 2 bad configuration; 3 the
+engine pool died while serving (past its restart limit): restart the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any, TextIO
+
+import trio
+from trio_typing import TaskStatus
+
+from ..errors import InvalidConfigError
+from .config import ServeConfig, add_serve_arguments
+from .notify import SystemdNotifier, serve_watchdog, watchdog_interval
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config as HypercornConfig
+
+    from .app import ImagesApp
+    from .pool import EnginePool
+
+__all__ = [
+    "EXIT_CODES",
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_POOL_DIED",
+    "JsonFormatter",
+    "TextFormatter",
+    "add_serve_parser",
+    "configure_logging",
+    "serve_daemon",
+]
+
+log = logging.getLogger("omni_trio.serve.daemon")
+
+PROG = "omni-trio"
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_POOL_DIED = 3
+EXIT_CODES = {
+    EXIT_OK: "stopped by SIGTERM/SIGINT after draining",
+    EXIT_FAILED: "failed to start (bind, model load, warmup) or an unexpected error",
+    EXIT_CONFIG: "bad configuration (flags, TOML file, environment)",
+    EXIT_POOL_DIED: "the engine pool died past its restart limit",
+}
+
+SHUTDOWN_REASON = "server shutting down"
+# After the drain timeout aborted what was left: time for those handlers to write their
+# terminal errors before the HTTP server stops.
+ABORT_GRACE_S = 5.0
+# hypercorn: after the shutdown trigger, open connections get this long to finish writing.
+GRACEFUL_TIMEOUT_S = 3.0
+STATUS_POLL_S = 1.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+# -- logging ---------------------------------------------------------------------------------
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_RECORD_ATTRS = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys() | {"message", "asctime"}
+)
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _RECORD_ATTRS and k[0] != "_"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (UTC, ISO 8601, ms), ``level``, ``logger``, ``msg``,
+    every ``extra=`` field (``request_id``, ``status``, ``outcome``, ``ms`` ...) and ``exc``
+    (the traceback) when there is one.  Values JSON cannot hold are written with ``str``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC)
+        entry: dict[str, Any] = {
+            "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in _extras(record).items():
+            entry.setdefault(key, value)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exc"] = record.exc_text
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``2025-01-01 12:00:00,123 INFO logger: message key=value ...``: the ``extra=`` fields
+    whose value the message does not already show are appended."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        message = record.getMessage()
+        fields = " ".join(
+            f"{k}={v}"
+            for k, v in _extras(record).items()
+            if v is not None and str(v) not in message
+        )
+        if not fields:
+            return text
+        head, sep, tail = text.partition("\n")  # keep a traceback after the fields
+        return f"{head} {fields}{sep}{tail}"
+
+
+def configure_logging(log_format: str, level: str, stream: TextIO | None = None) -> None:
+    """Send every log record to ``stream`` (stderr) as text or JSON lines: omni_trio's and
+    hypercorn's loggers at ``level``, everything else at warning or above; Python warnings
+    too."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    logging.captureWarnings(True)  # Python warnings as log records (JSON stays JSON)
+    # Records propagate to the root handler whatever the root's level: the root level only
+    # filters loggers that have none of their own (third-party libraries).
+    root.setLevel(logging.WARNING)
+    numeric = logging.getLevelName(level.upper())
+    logging.getLogger("omni_trio").setLevel(numeric)
+    logging.getLogger("hypercorn.error").setLevel(numeric)
+
+
+# -- the daemon --------------------------------------------------------------------------------
+
+
+def _find(exc: BaseException, types: type[BaseException] | tuple[type[BaseException], ...]) -> Any:
+    """The first exception of ``types`` in ``exc``, its groups and its causes; else None."""
+    for item in _walk(exc):
+        if isinstance(item, types):
+            return item
+    return None
+
+
+def _walk(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(reversed(current.exceptions))
+        if current.__cause__ is not None:
+            stack.append(current.__cause__)
+
+
+def _describe(exc: BaseException) -> str:
+    leaves = [
+        e
+        for e in _walk(exc)
+        if not isinstance(e, BaseExceptionGroup) and not isinstance(e, trio.Cancelled)
+    ]
+    first = leaves[0] if leaves else exc
+    return f"{type(first).__name__}: {first}"
+
+
+async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Return as soon as any of ``waits`` returns (the others are cancelled)."""
+    async with trio.open_nursery() as nursery:
+        for wait in waits:
+
+            async def run(wait: Callable[[], Awaitable[object]] = wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run)
+
+
+class _Daemon:
+    """One run of the daemon; owns the pool, the app, the HTTP server and the shutdown.
+
+    Invariants: ``stop`` is set once, by the first signal or by the pool ending;
+    ``hurry`` (a second signal) only shortens the drain; ``exit_code`` is decided by whoever
+    sets ``stop`` and read once everything is closed.
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        notifier: SystemdNotifier,
+        watchdog_s: float | None,
+        out: TextIO,
+    ) -> None:
+        self.config = config
+        self.notifier = notifier
+        self.watchdog_s = watchdog_s
+        self.out = out
+        self.stop = trio.Event()
+        self.hurry = trio.Event()
+        self.pool_ready = trio.Event()
+        self.pool_closed = trio.Event()
+        self.stop_http = trio.Event()
+        self.http_stopped = trio.Event()
+        self.exit_code = EXIT_OK
+        self.stop_reason = ""
+        self.url = f"http://{config.bind}"  # the bound address once listening (port 0 resolved)
+
+    def _request_stop(self, code: int, reason: str) -> None:
+        if not self.stop.is_set():
+            self.exit_code = code
+            self.stop_reason = reason
+            self.stop.set()
+
+    # -- building -------------------------------------------------------------------------
+
+    def _build_app(self, pool: EnginePool) -> ImagesApp:
+        from .app import ImagesApp
+        from .images import ImageStore, ServeLimits
+        from .metrics import ServeMetrics
+
+        c = self.config
+        limits = ServeLimits(
+            max_body_bytes=c.max_body_bytes,
+            max_prompt_chars=c.max_prompt_chars,
+            max_n=c.max_n,
+            max_pixels=c.max_pixels,
+            max_steps=c.max_steps,
+        )
+        store = ImageStore(ttl_s=c.url_ttl_s, max_bytes=c.url_store_max_bytes)
+        return ImagesApp(
+            pool,
+            model_name=c.served_model_name,
+            limits=limits,
+            api_key=c.api_key,
+            store=store,
+            metrics=ServeMetrics(pool),
+            log=logging.getLogger("omni_trio.serve.access"),
+        )
+
+    def _hypercorn_config(self) -> HypercornConfig:
+        from hypercorn.config import Config
+
+        hc = Config()
+        hc.bind = [self.config.bind]
+        hc.accesslog = None  # the app logs one structured line per request
+        hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler
+        hc.graceful_timeout = GRACEFUL_TIMEOUT_S
+        hc.include_server_header = False
+        return hc
+
+    # -- running --------------------------------------------------------------------------
+
+    async def run(self, signals: Any) -> int:
+        from .pool import EnginePool
+
+        c = self.config
+        try:
+            pool = EnginePool(c.engine, replicas=c.replicas, max_queue_len=c.max_queue_len)
+            app = self._build_app(pool)
+            hc = self._hypercorn_config()
+        except (InvalidConfigError, ValueError) as exc:
+            log.error("bad configuration: %s", exc)
+            return EXIT_CONFIG
+        self._log_start()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals, signals)
+            await nursery.start(partial(serve_watchdog, self.notifier, interval=self.watchdog_s))
+            self.notifier.status("starting: binding the HTTP listener")
+            try:
+                binds = await nursery.start(self._serve_http, app, hc)
+            except Exception as exc:
+                error = _find(exc, OSError)
+                if error is None:
+                    raise
+                log.error("cannot listen on %s: %s", c.bind, error)
+                nursery.cancel_scope.cancel()
+                return EXIT_FAILED
+            url = self.url = binds[0] if binds else self.url
+            print(
+                f"{PROG} serve: listening on {url} "
+                f"(model {c.served_model_name}, {c.replicas} replica(s))",
+                file=self.out,
+                flush=True,
+            )
+            self.notifier.status(f"starting: warming up {c.replicas} replica(s)")
+            pool_scope = trio.CancelScope()
+            nursery.start_soon(self._serve_pool, pool, pool_scope)
+            await _first_of(self.pool_ready.wait, self.stop.wait)
+            if self.pool_ready.is_set() and not self.stop.is_set():
+                log.info("ready: serving %d replica(s) on %s", c.replicas, url, extra={"url": url})
+                self.notifier.ready(status=self._serving_status())
+                nursery.start_soon(self._report_status, pool)
+            await self.stop.wait()
+            if self.exit_code == EXIT_OK:
+                await self._drain(pool)
+            self.notifier.status(f"stopping: {self.stop_reason}")
+            self.stop_http.set()  # hypercorn returns once its connections are done
+            await self.http_stopped.wait()
+            pool_scope.cancel()
+            await self.pool_closed.wait()
+            nursery.cancel_scope.cancel()  # the watchdog, signal watcher, status reporter
+        log.info(
+            "stopped: %s (exit %d)",
+            self.stop_reason,
+            self.exit_code,
+            extra={"exit_code": self.exit_code},
+        )
+        return self.exit_code
+
+    async def _serve_http(
+        self,
+        app: ImagesApp,
+        hc: HypercornConfig,
+        *,
+        task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """hypercorn until :attr:`stop_http` is set; ``started`` gets the bound URLs."""
+        from hypercorn.trio import serve as hypercorn_serve
+
+        asgi: Any = app  # ImagesApp types the ASGI messages as plain mappings
+        try:
+            await hypercorn_serve(
+                asgi, hc, shutdown_trigger=self.stop_http.wait, mode="asgi", task_status=task_status
+            )
+        finally:
+            self.http_stopped.set()
+
+    def _log_start(self) -> None:
+        c = self.config
+        e = c.engine
+        log.info(
+            "starting: model %s, backend %s, %d replica(s) x %d worker(s), listening on %s",
+            e.model,
+            e.backend,
+            c.replicas,
+            e.num_workers,
+            c.bind,
+            extra={"api_key": "set" if c.api_key else "unset"},
+        )
+        if c.exposed_without_key:
+            log.warning(
+                "SECURITY: listening on %s, which is not loopback, WITHOUT an API key: anyone "
+                "who can reach this port can generate images and abort requests.  Set "
+                "--api-key (or OMNI_TRIO_API_KEY), or bind 127.0.0.1 behind a reverse proxy "
+                "that authenticates.",
+                c.host,
+            )
+
+    def _serving_status(self) -> str:
+        n = self.config.replicas
+        return f"serving {n} replica{'s' if n != 1 else ''} on {self.url}"
+
+    async def _watch_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if not self.stop.is_set():
+                log.info("%s: draining, then stopping", name, extra={"signal": name})
+                self._request_stop(EXIT_OK, f"{name} received")
+            elif not self.hurry.is_set():
+                log.warning("%s again: aborting in-flight requests now", name)
+                self.hurry.set()
+
+    async def _serve_pool(self, pool: EnginePool, scope: trio.CancelScope) -> None:
+        """Run the pool until ``scope`` is cancelled.  A pool that fails to start, or dies
+        while serving, requests the stop with the matching exit code."""
+        try:
+            with scope:
+                async with trio.open_nursery() as inner:
+                    await inner.start(pool.serve)
+                    self.pool_ready.set()
+        except Exception as exc:
+            if not self.pool_ready.is_set():
+                config_error = _find(exc, InvalidConfigError)
+                if config_error is not None:
+                    log.error("bad configuration: %s", config_error)
+                    self._request_stop(EXIT_CONFIG, "bad configuration")
+                else:
+                    log.error("the engine pool failed to start: %s", _describe(exc), exc_info=exc)
+                    self._request_stop(EXIT_FAILED, "the engine pool failed to start")
+            else:
+                log.error(
+                    "the engine pool died: %s; exiting %d so the supervisor restarts the process",
+                    _describe(exc),
+                    EXIT_POOL_DIED,
+                    exc_info=exc,
+                )
+                self._request_stop(EXIT_POOL_DIED, "the engine pool died")
+        finally:
+            self.pool_closed.set()
+        if not scope.cancelled_caught and not self.stop.is_set():  # pragma: no cover
+            self._request_stop(EXIT_POOL_DIED, "the engine pool stopped")
+
+    async def _drain(self, pool: EnginePool) -> None:
+        """Stop admitting, let in-flight requests finish (at most ``drain_timeout_s``, less
+        after a second signal), abort the rest and give their handlers time to answer."""
+        pool.start_draining()
+        in_flight = pool.in_flight
+        self.notifier.stopping(status=f"draining: {in_flight} request(s) in flight")
+        log.info(
+            "draining: %d request(s) in flight, waiting up to %.1f s",
+            in_flight,
+            self.config.drain_timeout_s,
+            extra={"in_flight": in_flight},
+        )
+        if not self.pool_ready.is_set():
+            return
+        with trio.move_on_after(self.config.drain_timeout_s):
+            await _first_of(pool.wait_idle, self.hurry.wait)
+        left = pool.in_flight
+        if left:
+            log.warning(
+                "drain timeout: aborting %d request(s) still in flight",
+                left,
+                extra={"in_flight": left},
+            )
+            self.notifier.status(f"draining: aborting {left} request(s)")
+            pool.abort_all(SHUTDOWN_REASON)
+            with trio.move_on_after(ABORT_GRACE_S):
+                await pool.wait_idle()
+        else:
+            log.info("drained: no request in flight")
+
+    async def _report_status(self, pool: EnginePool) -> None:
+        """Send STATUS= and log whenever the pool's readiness changes (a replica restarting,
+        back to ready)."""
+        last: tuple[bool, str | None] = (True, None)
+        while True:
+            await trio.sleep(STATUS_POLL_S)
+            if self.stop.is_set():
+                return
+            now = pool.readiness()
+            if now == last:
+                continue
+            last = now
+            ready, reason = now
+            if ready:
+                log.info("ready again: all replicas healthy")
+                self.notifier.status(self._serving_status())
+            else:
+                log.warning("not ready: %s", reason, extra={"reason": reason})
+                self.notifier.status(f"degraded: {reason}")
+
+
+async def _main(
+    config: ServeConfig,
+    notifier: SystemdNotifier,
+    watchdog_s: float | None,
+    out: TextIO,
+) -> int:
+    # The receiver goes in before anything starts an engine: the tractor executor installs
+    # its own SIGTERM handler only while SIGTERM is SIG_DFL, and ours must win.
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        return await _Daemon(config, notifier, watchdog_s, out).run(signals)
+
+
+def serve_daemon(config: ServeConfig, *, out: TextIO | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT (then drain) or until the engine pool dies;
+    returns the process exit code (see :data:`EXIT_CODES`).  Configures logging from
+    ``config`` and reads (then clears from the environment) ``NOTIFY_SOCKET`` and the
+    watchdog variables.  Must run in the main thread (signal handling)."""
+    configure_logging(config.log_format, config.log_level)
+    watchdog_s = watchdog_interval()
+    notifier = SystemdNotifier.from_environ(unset=True)
+    try:
+        return trio.run(_main, config, notifier, watchdog_s, out or sys.stdout)
+    except (Exception, BaseExceptionGroup) as exc:
+        log.critical("unexpected error: %s", _describe(exc), exc_info=exc)
+        return EXIT_FAILED
+    finally:
+        notifier.close()
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``omni-trio serve``: build the config (exit 2 with one line on stderr if it is bad),
+    then :func:`serve_daemon`."""
+    try:
+        config = ServeConfig.from_args(args)
+    except InvalidConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return serve_daemon(config)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``omni-trio serve`` on the CLI's subparsers (imports nothing heavy)."""
+    epilog = "exit status: " + "; ".join(f"{code} {text}" for code, text in EXIT_CODES.items())
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible images API (engines + HTTP, under a supervisor)",
+        description="Run engine replicas and the HTTP API (POST /v1/images/generations, "
+        "/health, /ready, /metrics) in one process.  Binds 127.0.0.1 unless told otherwise.  "
+        "Every flag can also be set in a TOML file (--config); flags override the file and "
+        "the environment (OMNI_TRIO_API_KEY).  SIGTERM/SIGINT drain, then exit 0.  Speaks "
+        "the systemd notify protocol when NOTIFY_SOCKET is set.  See docs/operations.md.",
+        epilog=epilog,
+    )
+    add_serve_arguments(parser)
+    parser.set_defaults(handler=cmd_serve)
+    return parser

@@ -1,0 +1,505 @@
+"""The OpenAI Images API, our side of it: request parsing, image encoding, response bodies,
+and the in-memory store behind ``response_format="url"``.
+
+Pure and synchronous (no trio, no I/O): :func:`parse_generation_request` turns a decoded JSON
+body into a :class:`ParsedRequest` or raises :class:`ApiError` naming the offending field;
+:func:`encode_image` turns one image into PNG/JPEG/WebP bytes; :class:`ImageStore` keeps
+encoded images for a while under unguessable ids.
+
+Fields of ``POST /v1/images/generations`` (all optional but ``prompt``; ``null`` means
+"default")::
+
+    prompt              str, 1..max_prompt_chars
+    model               the served model name (anything else: 404 model_not_found)
+    n                   int 1..max_n
+    size                "WxH" (multiples of 8, at most max_pixels) or "auto" (model default)
+    response_format     "b64_json" (default) | "url"
+    output_format       "png" (default) | "jpeg" | "webp"
+    output_compression  int 0..100: JPEG/WebP quality (ignored for PNG)
+    user, safety_identifier   str, ignored
+    stream              bool; partial_images int 0..3 (previews streamed before the result)
+    timeout             seconds > 0: past it the request is aborted (HTTP 504)
+    num_inference_steps int 1..max_steps      } diffusion extensions
+    guidance_scale      finite number >= 0    }
+    negative_prompt     str                   }
+    seed                int 0..2**32-1 (random when absent; echoed in the response)
+
+GPT-image-only fields the model cannot honour (:data:`IGNORED_FIELDS`) are accepted, ignored,
+and named in the ``X-Omni-Trio-Ignored-Fields`` response header.  Any other field is a 400
+naming it.  Booleans are never accepted where a number is expected.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.messages import RequestMetrics
+from .._core.request import SamplingParams
+
+__all__ = [
+    "IGNORED_FIELDS",
+    "IGNORED_FIELDS_HEADER",
+    "MAX_SEED",
+    "ApiError",
+    "ImageStore",
+    "ParsedRequest",
+    "ServeLimits",
+    "encode_b64",
+    "encode_image",
+    "error_body",
+    "image_size",
+    "images_response",
+    "parse_generation_request",
+]
+
+IGNORED_FIELDS = frozenset(
+    {"quality", "style", "background", "moderation", "input_fidelity", "complexity"}
+)
+IGNORED_FIELDS_HEADER = "X-Omni-Trio-Ignored-Fields"
+MAX_SEED = 2**32 - 1
+MAX_PARTIAL_IMAGES = 3
+OUTPUT_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+RESPONSE_FORMATS = ("b64_json", "url")
+DEFAULT_QUALITY = 95
+_SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")
+_KNOWN_FIELDS = frozenset(
+    {
+        "prompt",
+        "model",
+        "n",
+        "size",
+        "response_format",
+        "output_format",
+        "output_compression",
+        "user",
+        "safety_identifier",
+        "stream",
+        "partial_images",
+        "timeout",
+        "num_inference_steps",
+        "guidance_scale",
+        "negative_prompt",
+        "seed",
+    }
+)
+
+
+class ApiError(Exception):
+    """An HTTP error answered with the OpenAI envelope (see :func:`error_body`).
+
+    ``type`` is ``invalid_request_error`` for client errors and ``server_error`` for ours;
+    ``param`` names the offending field; ``code`` is a short machine-readable reason;
+    ``headers`` go on the response (``Retry-After``...).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = tuple(headers)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, the OpenAI error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """Hard limits of the HTTP API, checked before anything reaches an engine (whose own
+    ``EngineConfig`` limits still apply after these)."""
+
+    max_body_bytes: int = 1_000_000
+    max_prompt_chars: int = 4000
+    max_n: int = 4
+    max_pixels: int = 1024 * 1024
+    max_steps: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_pixels", "max_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated generation request: what the engine runs, and how to answer."""
+
+    prompt: str
+    params: SamplingParams
+    model: str
+    n: int = 1
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    output_compression: int | None = None
+    stream: bool = False
+    partial_images: int = 0
+    timeout: float | None = None
+    ignored_fields: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def content_type(self) -> str:
+        return OUTPUT_FORMATS[self.output_format]
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__  # pragma: no cover - not a JSON value
+
+
+def _int(body: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"{name} must be an integer, got {_type_name(value)}", "invalid_type")
+    if not low <= value <= high:
+        raise _bad(name, f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def _str(body: Mapping[str, Any], name: str, max_chars: int | None = None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(name, f"{name} must be a string, got {_type_name(value)}", "invalid_type")
+    if max_chars is not None and len(value) > max_chars:
+        raise _bad(name, f"{name} is {len(value)} characters long; at most {max_chars} allowed")
+    return value
+
+
+def _choice(body: Mapping[str, Any], name: str, choices: Sequence[str], default: str) -> str:
+    value = _str(body, name)
+    if value is None:
+        return default
+    if value not in choices:
+        raise _bad(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, f"{name} must be a number, got {_type_name(value)}", "invalid_type")
+    if not math.isfinite(value):
+        raise _bad(name, f"{name} must be a finite number")
+    return float(value)
+
+
+def _size(value: Any, limits: ServeLimits) -> tuple[int | None, int | None]:
+    if value is None or value == "auto":
+        return None, None
+    if not isinstance(value, str):
+        raise _bad("size", f"size must be a string 'WxH', got {_type_name(value)}", "invalid_type")
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise _bad("size", f"size must be 'WxH' (e.g. '512x512') or 'auto', got {value!r}")
+    width, height = int(match[1]), int(match[2])
+    if width < 8 or height < 8 or width % 8 or height % 8:
+        raise _bad("size", f"width and height must be positive multiples of 8, got {value!r}")
+    if width * height > limits.max_pixels:
+        raise _bad(
+            "size", f"size {value} is {width * height} pixels; at most {limits.max_pixels} allowed"
+        )
+    return width, height
+
+
+def parse_generation_request(
+    body: Any, *, limits: ServeLimits, default_model: str
+) -> ParsedRequest:
+    """Validate a decoded ``POST /v1/images/generations`` body (see the module docstring).
+
+    ``default_model`` is the served model's name: ``model`` must be absent, null, or equal to
+    it.  Raises :class:`ApiError` (400 naming the field; 404 ``model_not_found`` for another
+    model).  The seed stays None when absent (the engine picks one at admission).
+    """
+    if not isinstance(body, dict):
+        raise ApiError(
+            400,
+            f"the request body must be a JSON object, got {_type_name(body)}",
+            code="invalid_type",
+        )
+    for name in body:
+        if name not in _KNOWN_FIELDS and name not in IGNORED_FIELDS:
+            raise _bad(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+    ignored = tuple(sorted(name for name in body if name in IGNORED_FIELDS))
+
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("prompt", "prompt is required", "missing_required_parameter")
+    prompt = _str(body, "prompt", limits.max_prompt_chars)
+    if not prompt:
+        raise _bad("prompt", "prompt must not be empty")
+
+    model = _str(body, "model")
+    if model is not None and model != default_model:
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist; this server serves {default_model!r}",
+            param="model",
+            code="model_not_found",
+        )
+    n = _int(body, "n", 1, limits.max_n, 1)
+    width, height = _size(body.get("size"), limits)
+    response_format = _choice(body, "response_format", RESPONSE_FORMATS, "b64_json")
+    output_format = _choice(body, "output_format", tuple(OUTPUT_FORMATS), "png")
+    compression = _int(body, "output_compression", 0, 100, None)
+    _str(body, "user")
+    _str(body, "safety_identifier")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream", f"stream must be a boolean, got {_type_name(stream)}", "invalid_type")
+    partial_images = _int(body, "partial_images", 0, MAX_PARTIAL_IMAGES, 0)
+    timeout = _number(body, "timeout")
+    if timeout is not None and timeout <= 0:
+        raise _bad("timeout", f"timeout must be > 0 seconds, got {timeout}")
+
+    steps = _int(body, "num_inference_steps", 1, limits.max_steps, None)
+    guidance = _number(body, "guidance_scale")
+    if guidance is not None and guidance < 0:
+        raise _bad("guidance_scale", f"guidance_scale must be >= 0, got {guidance}")
+    negative = _str(body, "negative_prompt", limits.max_prompt_chars)
+    seed = _int(body, "seed", 0, MAX_SEED, None)
+
+    changes: dict[str, Any] = {
+        "height": height,
+        "width": width,
+        "negative_prompt": negative,
+        "seed": seed,
+        "num_outputs_per_prompt": n,
+    }
+    if steps is not None:
+        changes["num_inference_steps"] = steps
+    if guidance is not None:
+        changes["guidance_scale"] = guidance
+    return ParsedRequest(
+        prompt=prompt,
+        params=SamplingParams(**changes),
+        model=default_model,
+        n=n,
+        response_format=response_format,
+        output_format=output_format,
+        output_compression=compression,
+        stream=bool(stream),
+        partial_images=partial_images,
+        timeout=timeout,
+        ignored_fields=ignored,
+    )
+
+
+# -- encoding -------------------------------------------------------------------------------
+
+
+def _to_pil(image: Any) -> Any:
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    import numpy as np
+
+    array = np.asarray(image)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3:
+        raise ValueError(f"cannot encode an array of shape {array.shape} as an image")
+    if array.dtype != np.uint8:
+        array = np.clip(np.rint(array.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
+    if array.shape[2] == 1:
+        array = array[:, :, 0]
+    return Image.fromarray(array)
+
+
+def encode_image(image: Any, output_format: str, compression: int | None = None) -> bytes:
+    """Encode a PIL image (or an HWC array: uint8, or float in [0, 1]) as ``output_format``
+    (``png`` lossless; ``jpeg``/``webp`` with quality ``compression``, default 95).
+
+    Blocking CPU work: run it in a thread for large images.  Raises ``ValueError`` for an
+    unknown format or an array that is not an image.
+    """
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"unknown output format {output_format!r}")
+    pil = _to_pil(image)
+    buffer = io.BytesIO()
+    quality = DEFAULT_QUALITY if compression is None else compression
+    if output_format == "png":
+        pil.save(buffer, format="PNG")
+    elif output_format == "jpeg":
+        if pil.mode not in ("RGB", "L"):
+            pil = pil.convert("RGB")
+        pil.save(buffer, format="JPEG", quality=quality)
+    else:
+        pil.save(buffer, format="WEBP", quality=quality)
+    return buffer.getvalue()
+
+
+def encode_b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def image_size(image: Any) -> str:
+    """``"WxH"`` of a PIL image or an HWC array."""
+    size = getattr(image, "size", None)
+    if isinstance(size, tuple) and len(size) == 2:
+        return f"{size[0]}x{size[1]}"
+    shape = getattr(image, "shape", None)
+    if shape is not None and len(shape) >= 2:
+        return f"{shape[1]}x{shape[0]}"
+    return "auto"
+
+
+def images_response(
+    *,
+    request_id: str,
+    model: str,
+    seed: int | None,
+    data: Sequence[Mapping[str, Any]],
+    output_format: str,
+    size: str,
+    metrics: RequestMetrics,
+    total_ms: float,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The 200 body of ``POST /v1/images/generations``: OpenAI's ``ImagesResponse``
+    (``created``, ``data``, ``output_format``, ``size``) plus ``id``, ``seed``, ``model`` and
+    ``metrics`` (engine queue wait and execution, and the server's total, in ms)."""
+    return {
+        "created": int(time.time()) if created is None else created,
+        "data": [dict(item) for item in data],
+        "id": request_id,
+        "model": model,
+        "seed": seed,
+        "output_format": output_format,
+        "size": size,
+        "metrics": {
+            "queue_wait_ms": round(metrics.queue_wait_ms, 3),
+            "execution_ms": round(metrics.execution_ms, 3),
+            "total_ms": round(total_ms, 3),
+        },
+    }
+
+
+# -- the url store --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    data: bytes
+    content_type: str
+    expires_at: float
+
+
+class ImageStore:
+    """Encoded images kept in memory for ``response_format="url"``.
+
+    Each :meth:`put` returns a fresh unguessable file id; the image can be read back with
+    :meth:`get` until ``ttl_s`` seconds have passed (on ``clock``, injectable for tests) or
+    until it is evicted, oldest first, to keep the total under ``max_bytes``.  Single-threaded
+    (the app's trio thread); no I/O.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 600.0,
+        max_bytes: int = 256 * 1024 * 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes!r}")
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        # Insertion order is expiry order (one ttl for all): the oldest entry is first.
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self._bytes -= len(entry.data)
+
+    def _expire(self, now: float) -> None:
+        while self._entries and next(iter(self._entries.values())).expires_at <= now:
+            self._drop_oldest()
+
+    def put(self, data: bytes, content_type: str) -> str:
+        """Keep ``data``; return its file id.  ``ValueError`` if it alone exceeds
+        ``max_bytes``."""
+        if len(data) > self.max_bytes:
+            raise ValueError(f"an image of {len(data)} bytes exceeds the store's max_bytes")
+        now = self._clock()
+        self._expire(now)
+        while self._entries and self._bytes + len(data) > self.max_bytes:
+            self._drop_oldest()
+        file_id = f"file-{secrets.token_urlsafe(18)}"
+        self._entries[file_id] = _Entry(bytes(data), content_type, now + self.ttl_s)
+        self._bytes += len(data)
+        return file_id
+
+    def get(self, file_id: str) -> tuple[bytes, str] | None:
+        """``(bytes, content_type)``, or None when unknown, expired or evicted."""
+        self._expire(self._clock())
+        entry = self._entries.get(file_id)
+        if entry is None:
+            return None
+        return entry.data, entry.content_type
+
+    @staticmethod
+    def url_for(base_url: str, file_id: str) -> str:
+        return f"{base_url.rstrip('/')}/v1/files/{file_id}/content"

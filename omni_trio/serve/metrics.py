@@ -1,0 +1,160 @@
+"""Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
+
+Counted by the app as requests end::
+
+    omni_trio_requests_total{route,status}      every HTTP request, by route template and status
+    omni_trio_images_generated_total            images returned to clients
+    omni_trio_aborts_total{reason}              generations aborted: cancelled (DELETE),
+                                                disconnect, timeout, drain
+    omni_trio_queue_wait_seconds                histograms of completed generations' phases
+    omni_trio_execution_seconds                 (engine queue wait, engine execution, and the
+    omni_trio_end_to_end_seconds                server's total from request to response)
+
+Read from the pool at scrape time (a custom collector, so nothing polls)::
+
+    omni_trio_queue_depth                       requests waiting in the engines
+    omni_trio_running                           requests running in the engines
+    omni_trio_in_flight                         requests in flight through the pool
+    omni_trio_replicas_ready                    replicas open and healthy
+    omni_trio_draining                          1 while the server drains
+    omni_trio_engine_state{replica}             0 dead/failed, 1 starting/restarting, 2 ready
+    omni_trio_worker_restarts_total{replica}    worker-group restarts inside the replica
+    omni_trio_replica_restarts_total{replica}   replica reopens by the pool supervisor
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from .._core.messages import RequestMetrics
+
+if TYPE_CHECKING:
+    from .pool import EnginePool
+
+__all__ = ["CONTENT_TYPE", "ENGINE_STATE_VALUES", "ServeMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+ENGINE_STATE_VALUES = {"ready": 2, "starting": 1, "restarting": 1}  # anything else: 0
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _PoolCollector(Collector):
+    """Gauges and counters read from the pool when Prometheus scrapes."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # registering must not call collect() (the pool may not serve yet)
+
+    def collect(self) -> Iterable[Metric]:
+        pool = self._pool
+        info = pool.replicas_info()
+        waiting = running = ready = 0
+        state = GaugeMetricFamily(
+            "omni_trio_engine_state",
+            "Engine state per replica: 0 dead or failed, 1 starting or restarting, 2 ready",
+            labels=["replica"],
+        )
+        worker_restarts = CounterMetricFamily(
+            "omni_trio_worker_restarts",
+            "Worker-group restarts inside each replica's engines",
+            labels=["replica"],
+        )
+        replica_restarts = CounterMetricFamily(
+            "omni_trio_replica_restarts",
+            "Replica reopens by the pool supervisor",
+            labels=["replica"],
+        )
+        for replica in info:
+            label = [str(replica["index"])]
+            stats = replica["statistics"]
+            if stats is not None:
+                waiting += stats["waiting"]
+                running += stats["running"]
+            ready += bool(replica["healthy"])
+            state.add_metric(label, ENGINE_STATE_VALUES.get(replica["state"], 0))
+            worker_restarts.add_metric(label, replica["worker_restarts"])
+            replica_restarts.add_metric(label, replica["restarts"])
+        yield GaugeMetricFamily(
+            "omni_trio_queue_depth", "Requests waiting in the engines", value=waiting
+        )
+        yield GaugeMetricFamily(
+            "omni_trio_running", "Requests running in the engines", value=running
+        )
+        yield GaugeMetricFamily(
+            "omni_trio_in_flight", "Requests in flight through the pool", value=pool.in_flight
+        )
+        yield GaugeMetricFamily(
+            "omni_trio_replicas_ready", "Replicas open and healthy", value=ready
+        )
+        yield GaugeMetricFamily(
+            "omni_trio_draining", "1 while the server drains", value=int(pool.draining)
+        )
+        yield state
+        yield worker_restarts
+        yield replica_restarts
+
+
+class ServeMetrics:
+    """The server's metrics in their own :class:`CollectorRegistry` (several servers in one
+    process never share one).  ``pool``, if given, is read at every scrape."""
+
+    def __init__(self, pool: EnginePool | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "omni_trio_requests",
+            "HTTP requests by route template and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.images_generated = Counter(
+            "omni_trio_images_generated", "Images returned to clients", registry=r
+        )
+        self.aborts = Counter(
+            "omni_trio_aborts", "Generations aborted, by reason", ["reason"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "omni_trio_queue_wait_seconds",
+            "Engine queue wait of completed generations",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.execution = Histogram(
+            "omni_trio_execution_seconds",
+            "Engine execution time of completed generations",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.end_to_end = Histogram(
+            "omni_trio_end_to_end_seconds",
+            "Server time from request to response of completed generations",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        if pool is not None:
+            r.register(_PoolCollector(pool))
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe_abort(self, reason: str) -> None:
+        self.aborts.labels(reason=reason).inc()
+
+    def observe_generation(self, metrics: RequestMetrics, total_ms: float, images: int) -> None:
+        """A completed generation: its phases and the images it returned."""
+        self.images_generated.inc(images)
+        self.queue_wait.observe(metrics.queue_wait_ms / 1000.0)
+        self.execution.observe(metrics.execution_ms / 1000.0)
+        self.end_to_end.observe(total_ms / 1000.0)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (content type :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,508 @@
+"""``EnginePool``: K independent engine replicas behind a least-loaded router.
+
+Each replica is one :func:`~omni_trio.runtime.engine.open_engine` (with its own worker group
+and its own worker-group supervisor), run as a child of a ``one_for_one``
+:class:`~omni_trio.supervisor.Supervisor`: when a replica's engine dies (its worker group
+failed past the engine's own restart limit) only that replica is closed and reopened; the
+other replicas and their requests are never disturbed.  Past the *pool* supervisor's restart
+limit :meth:`EnginePool.serve` raises :class:`~omni_trio.errors.RestartLimitError` (the daemon
+then exits non-zero so the OS supervisor restarts the process).
+
+Admission is synchronous (:meth:`EnginePool.submit` never checkpoints) and the pool keeps an
+index ``request id -> stream`` of every request in flight, so request ids are unique across
+replicas and ``DELETE /v1/requests/{id}`` can find the replica to abort on.  The ids of the
+last :data:`FINISHED_IDS_KEPT` requests that ended are remembered (an LRU) so that a cancel
+of an id that already finished is told apart from an unknown id.
+
+Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
+
+    QueueFullError    in-flight requests reached max_queue_len (HTTP 429)
+    DrainingError     the pool stopped admitting (shutdown drain) (HTTP 503)
+    NotReadyError     no replica is open and healthy right now (HTTP 503)
+
+Multiple replicas need the ``inproc`` backend: tractor 0.1.0a5 allows one tractor runtime
+(hence one tractor engine) per process, so ``replicas > 1`` with ``backend="tractor"`` is
+refused with :class:`~omni_trio.errors.InvalidConfigError`; run several daemons instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from itertools import count
+from types import TracebackType
+from typing import Any, cast
+
+import trio
+from trio_typing import TaskStatus
+
+from .._core.messages import DiffusionOutput
+from .._core.request import SamplingParams
+from .._core.trace import TraceRecorder
+from ..config import EngineConfig
+from ..errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidConfigError,
+    OmniTrioError,
+)
+from ..runtime.engine import AsyncEngine, open_engine
+from ..runtime.request_stream import RequestStream
+from ..supervisor import ChildSpec, ChildState, RestartPolicy, Strategy, Supervisor, SupervisorEvent
+
+__all__ = [
+    "FINISHED_IDS_KEPT",
+    "DrainingError",
+    "EnginePool",
+    "NotReadyError",
+    "PooledStream",
+    "QueueFullError",
+    "Submission",
+    "new_request_id",
+]
+
+FINISHED_IDS_KEPT = 10_000
+# How often a replica checks whether its engine died (the engine has no "wait dead" hook).
+HEALTH_POLL_S = 0.5
+
+
+class QueueFullError(OmniTrioError):
+    """The pool already holds ``max_queue_len`` requests in flight; try again later."""
+
+    def __init__(self, in_flight: int, max_queue_len: int) -> None:
+        super().__init__(
+            f"the server is at capacity ({in_flight} requests in flight, "
+            f"max_queue_len={max_queue_len}); retry later"
+        )
+        self.in_flight = in_flight
+        self.max_queue_len = max_queue_len
+
+
+class DrainingError(OmniTrioError):
+    """The pool stopped admitting new requests (it is draining before shutdown)."""
+
+
+class NotReadyError(OmniTrioError):
+    """No replica is open and healthy (starting, restarting, or the pool is not serving)."""
+
+
+_ID_PREFIX = secrets.token_hex(4)
+_ID_COUNTER = count(1)
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique in this process (random prefix + counter; no syscall)."""
+    return f"req-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+class PooledStream:
+    """One request's output stream as the pool hands it out: the replica's
+    :class:`~omni_trio.runtime.request_stream.RequestStream` plus the pool's bookkeeping.
+
+    Use it as ``async with stream: async for output in stream: ...``.  Its in-flight slot is
+    released when the terminal output has been read or the stream is left (``async with``
+    exit, :meth:`aclose`); leaving early aborts the request, as with ``RequestStream``.
+    ``abort_reason`` is set by the pool when it aborted the request on purpose
+    (``"cancelled"`` for :meth:`EnginePool.abort`, the reason given to
+    :meth:`EnginePool.abort_all`), so the consumer can tell why it ended.
+    """
+
+    def __init__(
+        self, inner: RequestStream, replica: int, on_done: Callable[[PooledStream], None]
+    ) -> None:
+        self._inner = inner
+        self.replica = replica
+        self.abort_reason: str | None = None
+        self._on_done: Callable[[PooledStream], None] | None = on_done
+
+    @property
+    def request_id(self) -> str:
+        return self._inner.request_id
+
+    @property
+    def seed(self) -> int | None:
+        return self._inner.seed
+
+    def _release(self) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done(self)
+
+    def __aiter__(self) -> PooledStream:
+        return self
+
+    async def __anext__(self) -> DiffusionOutput:
+        """The next chunk; if cancelled, the request is aborted and its slot released."""
+        try:
+            output = await self._inner.__anext__()
+        except BaseException:
+            self._release()
+            raise
+        if output.finished:
+            self._release()
+        return output
+
+    async def aclose(self) -> None:
+        """Stop consuming: aborts the request if it has not ended; releases its slot."""
+        try:
+            await self._inner.aclose()
+        finally:
+            self._release()
+
+    async def __aenter__(self) -> PooledStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """What :meth:`EnginePool.submit` returns: the request's id, the replica it runs on, its
+    output stream and the seed it runs with (chosen at admission when the caller gave none)."""
+
+    request_id: str
+    replica: int
+    stream: PooledStream
+    seed: int | None
+
+
+@dataclass(eq=False)
+class _Replica:
+    """One replica slot.  ``engine`` is set only while its engine is open; ``in_flight``
+    counts the pool's streams routed to it and not yet released (the router's load)."""
+
+    index: int
+    engine: AsyncEngine | None = None
+    in_flight: int = 0
+    # Worker-group restarts of the engines this replica already closed (the current engine
+    # counts its own); their sum is monotonic, for a Prometheus counter.
+    past_worker_restarts: int = 0
+    last_failure: str | None = None
+
+
+class _StartedAs:
+    """Forwards ``started()`` to ``inner`` with a fixed value (the pool, not its supervisor)."""
+
+    def __init__(self, inner: TaskStatus[Any], value: Any) -> None:
+        self._inner = inner
+        self._value = value
+
+    def started(self, value: Any = None) -> None:
+        self._inner.started(self._value)
+
+
+def _refuses_replicas(backend: Any) -> bool:
+    if backend == "tractor":
+        return True
+    module = getattr(backend, "__module__", "") if isinstance(backend, type) else str(backend)
+    return "tractor_executor" in module
+
+
+class EnginePool:
+    """K independent engine replicas behind a least-loaded router; each replica is a child of
+    a ``one_for_one`` :class:`~omni_trio.supervisor.Supervisor` (a dead replica is reopened;
+    the others are never disturbed).
+
+    ``max_queue_len`` bounds the requests in flight across the pool (queued and running).
+    ``restart_policy`` rate-limits replica restarts (default ``RestartPolicy()``: 5 restarts
+    in 60 s).  ``trace_factory(index)``, if given, makes the trace recorder for each new
+    engine of replica ``index``.  Everything but :meth:`serve` and :meth:`wait_idle` is
+    synchronous and never checkpoints; all of it runs on the trio thread that serves.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        replicas: int = 1,
+        max_queue_len: int = 64,
+        restart_policy: RestartPolicy | None = None,
+        trace_factory: Callable[[int], TraceRecorder | None] | None = None,
+        health_poll_s: float = HEALTH_POLL_S,
+    ) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise InvalidConfigError(
+                f"replicas must be a positive integer, got {replicas!r}", field="replicas"
+            )
+        if isinstance(max_queue_len, bool) or not isinstance(max_queue_len, int):
+            raise InvalidConfigError(
+                f"max_queue_len must be a positive integer, got {max_queue_len!r}",
+                field="max_queue_len",
+            )
+        if max_queue_len < 1:
+            raise InvalidConfigError(
+                f"max_queue_len must be a positive integer, got {max_queue_len!r}",
+                field="max_queue_len",
+            )
+        if replicas > 1 and _refuses_replicas(engine_config.backend):
+            raise InvalidConfigError(
+                "replicas > 1 needs the inproc backend: tractor allows only one tractor "
+                "engine per process; use backend='inproc' replicas, or run several daemons",
+                field="replicas",
+            )
+        self.engine_config = engine_config
+        self.replicas = replicas
+        self.max_queue_len = max_queue_len
+        self.restart_policy = restart_policy or RestartPolicy()
+        self._trace_factory = trace_factory
+        self._health_poll_s = health_poll_s
+        self._replicas = [_Replica(i) for i in range(replicas)]
+        # Invariant: an id is in _active exactly while its PooledStream is unreleased.
+        self._active: dict[str, PooledStream] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._draining = False
+        self._serving = False
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._supervisor: Supervisor | None = None
+        self._idle = trio.Event()
+        self._idle.set()
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: TaskStatus[EnginePool] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open every replica in order (warmup included), report ``started(self)`` once all
+        are ready, then supervise them until cancelled.
+
+        A replica that fails its first start raises its error here (a configuration error;
+        the replicas already open are closed).  Past the restart limit raises
+        :class:`RestartLimitError` after closing every replica; requests in flight end with
+        a terminal error.  Cancelling closes every engine (each close is bounded and
+        shielded).  Runs once.
+        """
+        if self._supervisor is not None:
+            raise RuntimeError("EnginePool.serve runs once")
+        self._supervisor = Supervisor(
+            [
+                ChildSpec(f"replica-{r.index}", partial(self._serve_replica, r))
+                for r in self._replicas
+            ],
+            strategy=Strategy.ONE_FOR_ONE,
+            policy=self.restart_policy,
+            name="engine-pool",
+            on_event=self._on_event,
+        )
+        relay = cast(TaskStatus[Any], _StartedAs(task_status, self))
+        self._serving = True
+        try:
+            await self._supervisor.serve(task_status=relay)
+        except Exception as exc:
+            self._dead = exc
+            raise
+        finally:
+            self._serving = False
+            self._stopped = True
+
+    async def _serve_replica(self, replica: _Replica, *, task_status: TaskStatus[Any]) -> None:
+        """The supervised child: one open engine.  Returns never; raises
+        :class:`EngineDeadError` when the engine died so the supervisor reopens this replica
+        alone.  Cancellation closes the engine (bounded, shielded by the engine)."""
+        trace = self._trace_factory(replica.index) if self._trace_factory is not None else None
+        async with open_engine(self.engine_config, trace=trace) as engine:
+            replica.engine = engine
+            try:
+                task_status.started(engine)
+                # Engines have no "wait until dead" hook; a cheap poll is enough here (only
+                # the reopen waits on it: routing and readiness read health() directly).
+                while not (engine.is_dead or engine.is_closed):  # noqa: ASYNC110
+                    await trio.sleep(self._health_poll_s)
+                health = engine.health()
+            finally:
+                replica.engine = None
+                replica.past_worker_restarts += engine.health().restarts
+        replica.last_failure = health.reason
+        raise EngineDeadError(f"replica {replica.index}: engine {health.state}: {health.reason}")
+
+    def _on_event(self, event: SupervisorEvent) -> None:
+        if event.kind == "failed" and event.error is not None:
+            index = int(event.child.rsplit("-", 1)[1])
+            self._replicas[index].last_failure = f"{type(event.error).__name__}: {event.error}"
+
+    # -- admission -------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet released (queued or running, on any replica)."""
+        return len(self._active)
+
+    def _ready_replicas(self) -> list[_Replica]:
+        return [r for r in self._replicas if r.engine is not None and r.engine.health().healthy]
+
+    def submit(
+        self, prompt: str, params: SamplingParams, *, request_id: str | None = None
+    ) -> Submission:
+        """Admit a request on the least-loaded ready replica (no checkpoint).
+
+        Load is the replica's requests in flight through the pool (each of its waiting and
+        running requests has one open stream); ties go to the lowest index.  Raises
+        :class:`DrainingError`, :class:`QueueFullError`, :class:`NotReadyError`,
+        :class:`~omni_trio.errors.DuplicateRequestError` (the id is in flight on any
+        replica), :class:`~omni_trio.errors.InvalidRequestError` from the engine's
+        validation, and :class:`~omni_trio.errors.EngineDeadError` once the pool gave up.
+        Nothing is admitted when it raises.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine pool gave up: {self._dead}")
+        if self._draining:
+            raise DrainingError("the server is draining and admits no new requests")
+        if len(self._active) >= self.max_queue_len:
+            raise QueueFullError(len(self._active), self.max_queue_len)
+        rid = request_id if request_id is not None else new_request_id()
+        if rid in self._active:
+            raise DuplicateRequestError(rid)
+        ready = self._ready_replicas()
+        if not ready:
+            raise NotReadyError(self.readiness()[1] or "no replica is ready")
+        replica = min(ready, key=lambda r: (r.in_flight, r.index))
+        assert replica.engine is not None
+        inner = replica.engine.stream(prompt, params, request_id=rid)
+        stream = PooledStream(inner, replica.index, self._release)
+        self._active[rid] = stream
+        self._finished.pop(rid, None)
+        replica.in_flight += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        return Submission(rid, replica.index, stream, inner.seed)
+
+    def _release(self, stream: PooledStream) -> None:
+        rid = stream.request_id
+        if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
+            return
+        del self._active[rid]
+        self._replicas[stream.replica].in_flight -= 1
+        self._finished[rid] = None
+        self._finished.move_to_end(rid)
+        while len(self._finished) > FINISHED_IDS_KEPT:
+            self._finished.popitem(last=False)
+        if not self._active:
+            self._idle.set()
+
+    # -- control ---------------------------------------------------------------------------
+
+    def abort(self, request_id: str, *, reason: str = "cancelled") -> str:
+        """Abort one request (no checkpoint): ``"aborted"`` if it was in flight (its stream
+        gets a terminal FINISHED_ABORTED output; its forward stops at the next step),
+        ``"finished"`` if it already ended (among the last ids remembered), else
+        ``"unknown"``."""
+        stream = self._active.get(request_id)
+        if stream is None:
+            return "finished" if request_id in self._finished else "unknown"
+        if stream.abort_reason is None:
+            stream.abort_reason = reason
+        engine = self._replicas[stream.replica].engine
+        if engine is not None:
+            engine.abort(request_id)
+        return "aborted"
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request in flight, marking each with ``reason`` (no checkpoint)."""
+        for rid in list(self._active):
+            self.abort(rid, reason=reason)
+
+    def start_draining(self) -> None:
+        """Stop admitting: every later :meth:`submit` raises :class:`DrainingError` and
+        :meth:`readiness` says not ready.  Requests in flight go on."""
+        self._draining = True
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is in flight.  Cancelling it is harmless."""
+        while self._active:
+            await self._idle.wait()
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        """(steps done, total steps) of a running request where its backend tracks it."""
+        stream = self._active.get(request_id)
+        if stream is None:
+            return None
+        engine = self._replicas[stream.replica].engine
+        if engine is None or not engine.health().healthy:
+            return None
+        return engine.progress(request_id)
+
+    def replica_engine(self, index: int) -> AsyncEngine | None:
+        """Replica ``index``'s engine while it is open (for diagnostics and tests)."""
+        return self._replicas[index].engine
+
+    # -- health ----------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str | None]:
+        """``(True, None)`` when not draining and every replica is open and healthy; else
+        ``(False, reason)``."""
+        if self._dead is not None:
+            return False, f"the engine pool gave up: {self._dead}"
+        if self._draining:
+            return False, "draining: the server is shutting down"
+        if not self._serving:
+            return False, "the engine pool is stopped" if self._stopped else "starting"
+        for replica in self._replicas:
+            engine = replica.engine
+            if engine is None:
+                state, reason = self._closed_state(replica)
+                suffix = f" (last failure: {reason})" if reason else ""
+                return False, f"replica {replica.index}: {state}{suffix}"
+            health = engine.health()
+            if not health.healthy:
+                return False, f"replica {replica.index}: {health.state}: {health.reason}"
+        return True, None
+
+    def _closed_state(self, replica: _Replica) -> tuple[str, str | None]:
+        """State and reason of a replica whose engine is not open."""
+        if self._supervisor is None:
+            return "starting", None
+        child = self._supervisor.children()[replica.index]
+        state = {
+            ChildState.STARTING: "starting",
+            ChildState.RESTARTING: "restarting",
+            ChildState.RUNNING: "restarting",  # its engine closed; the child is ending
+        }.get(child.state, "failed")
+        return state, child.last_error or replica.last_failure
+
+    def replicas_info(self) -> list[dict[str, Any]]:
+        """Per replica: ``index``, ``state`` (``ready``, ``starting``, ``restarting``,
+        ``failed``, ``dead``, ``closed``), ``healthy``, ``reason``, ``restarts`` (reopens by
+        the pool), ``worker_restarts`` (worker-group restarts of all its engines so far),
+        ``in_flight``, and ``statistics`` (the engine's, as a dict; None while closed)."""
+        children = self._supervisor.children() if self._supervisor is not None else None
+        info: list[dict[str, Any]] = []
+        for replica in self._replicas:
+            restarts = children[replica.index].restarts if children is not None else 0
+            engine = replica.engine
+            worker_restarts = replica.past_worker_restarts
+            stats: dict[str, Any] | None = None
+            if engine is not None:
+                health = engine.health()
+                state, healthy, reason = health.state, health.healthy, health.reason
+                worker_restarts += health.restarts
+                stats = dataclasses.asdict(engine.statistics())
+            else:
+                healthy = False
+                state, reason = self._closed_state(replica)
+            info.append(
+                {
+                    "index": replica.index,
+                    "state": state,
+                    "healthy": healthy,
+                    "reason": reason,
+                    "restarts": restarts,
+                    "worker_restarts": worker_restarts,
+                    "in_flight": replica.in_flight,
+                    "statistics": stats,
+                }
+            )
+        return info

@@ -1,0 +1,974 @@
+"""The real app under hypercorn, talked to by real clients (httpx and the openai SDK).
+
+The model is ``builtin:echo``: every image carries ``request_id|seed|index`` in its first
+pixels, so a response with another request's image or the wrong seed is caught.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from PIL import Image
+
+from omni_trio.errors import WorkerError
+from omni_trio.models.echo import decode_echo_image
+from omni_trio.serve.app import ImagesApp, is_valid_request_id
+from omni_trio.serve.images import ImageStore, ServeLimits
+from tests.fakes import ScriptedModel, register_models
+from tests.serve.conftest import (
+    CAP_S,
+    MODEL,
+    STEP_DELAY_S,
+    FakeClock,
+    Server,
+    assert_envelope,
+    parse_sse,
+    run_server,
+    wait_until,
+)
+
+GEN = "/v1/images/generations"
+LONG = 200  # steps: ~4 s with echo's step delay; every test that starts one ends it early
+
+
+def decode_b64(b64: str) -> tuple[Image.Image, tuple[str, int, int]]:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    return image, decode_echo_image(image)
+
+
+async def generate(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
+    body.setdefault("prompt", "a red fox")
+    body.setdefault("size", "64x64")
+    body.setdefault("num_inference_steps", 2)
+    headers = body.pop("headers", None)
+    return await client.post(GEN, json=body, headers=headers)
+
+
+def worker_steps(server: Server) -> int:
+    steps = server.engine().statistics().workers[0].steps
+    assert steps is not None
+    return steps
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+async def test_generation_returns_the_echo_image_of_this_request(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await generate(client, seed=42, headers={"X-Request-Id": "client-id.1:a_b-c"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "client-id.1:a_b-c"
+        assert r.headers["content-type"] == "application/json"
+        body = r.json()
+        assert set(body) == {
+            "created",
+            "data",
+            "id",
+            "model",
+            "seed",
+            "output_format",
+            "size",
+            "metrics",
+        }
+        assert (body["id"], body["seed"], body["model"]) == ("client-id.1:a_b-c", 42, MODEL)
+        assert (body["output_format"], body["size"]) == ("png", "64x64")
+        assert set(body["metrics"]) == {"queue_wait_ms", "execution_ms", "total_ms"}
+        assert body["metrics"]["total_ms"] >= body["metrics"]["execution_ms"] > 0
+        (item,) = body["data"]
+        assert item["revised_prompt"] is None
+        image, header = decode_b64(item["b64_json"])
+        assert image.size == (64, 64)
+        assert header == ("client-id.1:a_b-c", 42, 0)
+
+
+async def test_generated_ids_and_random_seeds_are_echoed(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r1, r2 = await generate(client, n=2), await generate(client)
+        seen = set()
+        for r in (r1, r2):
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["id"] == r.headers["x-request-id"] and is_valid_request_id(body["id"])
+            assert isinstance(body["seed"], int)
+            for index, item in enumerate(body["data"]):
+                assert decode_b64(item["b64_json"])[1] == (body["id"], body["seed"], index)
+            seen.add(body["id"])
+        assert len(r1.json()["data"]) == 2 and len(seen) == 2
+
+
+async def test_output_formats_and_ignored_fields(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await generate(
+                client, output_format="jpeg", output_compression=40, quality="hd", style="vivid"
+            )
+            plain = await generate(client, output_format="webp")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-omni-trio-ignored-fields"] == "quality,style"
+        assert base64.b64decode(r.json()["data"][0]["b64_json"]).startswith(b"\xff\xd8")
+        assert r.json()["output_format"] == "jpeg"
+        assert "x-omni-trio-ignored-fields" not in plain.headers
+        assert base64.b64decode(plain.json()["data"][0]["b64_json"]).startswith(b"RIFF")
+
+
+async def test_url_responses_are_served_from_the_store_until_they_expire(
+    server: Server,
+) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await generate(client, response_format="url", seed=8)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            url = body["data"][0]["url"]
+            assert url.startswith(f"{server.url}/v1/files/file-") and url.endswith("/content")
+            assert "b64_json" not in body["data"][0]
+            image = await client.get(url)
+            assert image.status_code == 200
+            assert image.headers["content-type"] == "image/png"
+            decoded = decode_echo_image(Image.open(io.BytesIO(image.content)))
+            assert decoded == (body["id"], 8, 0)
+            server.clock.advance(599)
+            assert (await client.get(url)).status_code == 200
+            server.clock.advance(2)
+            assert_envelope(await client.get(url), 404, code="file_not_found")
+            assert_envelope(
+                await client.get("/v1/files/file-nope/content"), 404, code="file_not_found"
+            )
+
+
+async def test_the_openai_sdk_generates_and_reads_our_errors(server: Server) -> None:
+    def call() -> dict[str, Any]:
+        with openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20
+        ) as client:
+            result = client.images.generate(
+                model=MODEL,
+                prompt="a red fox",
+                size="64x64",
+                response_format="b64_json",
+                extra_body={"seed": 3, "num_inference_steps": 2},
+            )
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.images.generate(
+                    model=MODEL, prompt="x", extra_body={"num_inference_steps": -1}
+                )
+            with pytest.raises(openai.NotFoundError) as missing:
+                client.images.generate(model="dall-e-3", prompt="x")
+            return {"result": result, "bad": bad.value, "missing": missing.value}
+
+    with trio.fail_after(CAP_S):
+        out = await trio.to_thread.run_sync(call)
+    result = out["result"].to_dict()
+    assert result["output_format"] == "png" and result["seed"] == 3
+    (item,) = out["result"].data
+    assert decode_b64(item.b64_json)[1] == (result["id"], 3, 0)
+    bad = out["bad"]
+    assert bad.status_code == 400
+    assert bad.body["param"] == "num_inference_steps"
+    assert "num_inference_steps must be in 1..200" in bad.message
+    assert out["missing"].body["code"] == "model_not_found"
+
+
+# -- streaming ------------------------------------------------------------------------------
+
+
+async def read_events(client: httpx.AsyncClient, body: dict[str, Any], **kw: Any) -> Any:
+    async with client.stream("POST", GEN, json=body, **kw) as r:
+        text = (await r.aread()).decode()
+    return r, parse_sse(text)
+
+
+async def test_sse_streams_progress_previews_and_the_result(stream_server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with stream_server.client() as client:
+            body = {
+                "prompt": "x",
+                "size": "64x64",
+                "num_inference_steps": 6,
+                "stream": True,
+                "partial_images": 2,
+                "seed": 9,
+            }
+            r, events = await read_events(client, body, headers={"X-Request-Id": "sse-1"})
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        assert r.headers["x-request-id"] == "sse-1"
+        names = [name for name, _ in events]
+        assert names[-1] == "image_generation.completed"
+        assert all(data["type"] == name for name, data in events)
+        partials = [data for name, data in events if name == "image_generation.partial_image"]
+        assert [p["partial_image_index"] for p in partials] == [0, 1]
+        for p in partials:
+            assert decode_b64(p["b64_json"])[1] == ("sse-1", 9, 0)
+            assert (p["size"], p["output_format"]) == ("64x64", "png")
+            assert isinstance(p["created_at"], int)
+        progress = [(d["step"], d["total"]) for n, d in events if n == "image_generation.progress"]
+        assert progress and progress == sorted(progress) and progress[-1][1] == 6
+        done = events[-1][1]
+        assert (done["id"], done["seed"], done["usage"]) == ("sse-1", 9, None)
+        assert decode_b64(done["b64_json"])[1] == ("sse-1", 9, 0)
+        # previews come before the result
+        assert names.index("image_generation.partial_image") < names.index(
+            "image_generation.completed"
+        )
+
+
+async def test_sse_without_step_previews_still_completes(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            body = {"prompt": "x", "size": "64x64", "num_inference_steps": 2, "stream": True}
+            r, events = await read_events(client, {**body, "partial_images": 3, "n": 2})
+        assert r.status_code == 200
+        completed = [d for n, d in events if n == "image_generation.completed"]
+        assert [d["image_index"] for d in completed] == [0, 1]
+        assert not [n for n, _ in events if n == "image_generation.partial_image"]
+        rid = r.headers["x-request-id"]
+        for index, data in enumerate(completed):
+            assert decode_b64(data["b64_json"])[1] == (rid, data["seed"], index)
+
+
+async def test_sse_errors_before_the_stream_are_plain_envelopes(stream_server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with stream_server.client() as client:
+            r = await client.post(GEN, json={"prompt": "x", "stream": True, "n": 0})
+        assert_envelope(r, 400, param="n")
+
+
+# -- cancel, disconnect, timeout ------------------------------------------------------------
+
+
+async def test_delete_cancels_a_running_generation_within_a_step(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        answers: dict[str, Any] = {}
+        async with server.client() as client, trio.open_nursery() as nursery:
+
+            async def post() -> None:
+                answers["post"] = await generate(
+                    client, num_inference_steps=LONG, headers={"X-Request-Id": "victim"}
+                )
+                answers["post_at"] = trio.current_time()
+
+            nursery.start_soon(post)
+            await wait_until(lambda: (server.pool.progress("victim") or (0, 0))[0] >= 2)
+            steps_before = worker_steps(server)
+            cancelled_at = trio.current_time()
+            r = await client.delete("/v1/requests/victim")
+            assert r.status_code == 200, r.text
+            assert r.json() == {"id": "victim", "object": "request", "status": "cancelled"}
+            assert r.headers["content-type"] == "application/json"
+        assert_envelope(answers["post"], 409, code="request_cancelled")
+        assert answers["post"].headers["x-request-id"] == "victim"
+        assert answers["post_at"] - cancelled_at < 1.0
+        engine = server.engine()
+        assert engine.statistics().finished_aborted == 1
+        # The worker stops at its next step boundary and runs nothing more.
+        await wait_until(lambda: engine.statistics().running == 0)
+        stopped = worker_steps(server)
+        assert stopped - steps_before <= 3
+        await trio.sleep(5 * STEP_DELAY_S)
+        assert worker_steps(server) == stopped < LONG
+        async with server.client() as client:
+            assert_envelope(
+                await client.delete("/v1/requests/victim"), 409, code="request_finished"
+            )
+            assert_envelope(
+                await client.delete("/v1/requests/nobody"), 404, code="request_not_found"
+            )
+        assert server.pool.in_flight == 0
+
+
+async def test_a_client_disconnect_aborts_its_generation(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client, trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def post() -> None:
+                with scope:
+                    await generate(
+                        client, num_inference_steps=LONG, headers={"X-Request-Id": "gone"}
+                    )
+
+            nursery.start_soon(post)
+            await wait_until(lambda: server.pool.progress("gone") is not None)
+            scope.cancel()  # httpx closes the connection
+        engine = server.engine()
+        await wait_until(lambda: engine.statistics().finished_aborted == 1)
+        await wait_until(lambda: server.pool.in_flight == 0 and engine.statistics().running == 0)
+        assert worker_steps(server) < LONG
+        await wait_until(lambda: any(r["request_id"] == "gone" for r in server.records))
+        (record,) = [r for r in server.records if r["request_id"] == "gone"]
+        assert (record["outcome"], record["status"]) == ("disconnected", 499)
+
+
+async def test_closing_an_event_stream_early_aborts_its_generation(
+    stream_server: Server,
+) -> None:
+    with trio.fail_after(CAP_S):
+        body = {"prompt": "x", "size": "64x64", "num_inference_steps": LONG, "stream": True}
+        headers = {"X-Request-Id": "sse-gone"}
+        async with (
+            stream_server.client() as client,
+            client.stream("POST", GEN, json=body, headers=headers) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("event: image_generation.progress"):
+                    break  # leaving the block closes the connection
+        engine = stream_server.engine()
+        await wait_until(lambda: engine.statistics().finished_aborted == 1)
+        await wait_until(lambda: stream_server.pool.in_flight == 0)
+
+
+async def test_a_request_timeout_aborts_it_with_504(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await generate(client, num_inference_steps=LONG, timeout=0.3)
+            error = assert_envelope(r, 504, param="timeout", code="timeout")
+            assert error["type"] == "server_error"
+            body = {"prompt": "x", "num_inference_steps": LONG, "stream": True, "timeout": 0.3}
+            r, events = await read_events(client, body)
+        assert r.status_code == 200
+        name, data = events[-1]
+        assert name == "error" and data["error"]["code"] == "timeout"
+        engine = server.engine()
+        await wait_until(lambda: engine.statistics().finished_aborted == 2)
+        assert server.pool.in_flight == 0
+
+
+# -- admission ------------------------------------------------------------------------------
+
+
+async def test_a_full_queue_answers_429_with_retry_after() -> None:
+    with trio.fail_after(CAP_S):
+        async with run_server(max_queue_len=1) as server, server.client() as client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    lambda: generate(
+                        client, num_inference_steps=LONG, headers={"X-Request-Id": "q1"}
+                    )
+                )
+                await wait_until(lambda: server.pool.in_flight == 1)
+                r = await generate(client)
+                error = assert_envelope(r, 429, code="queue_full")
+                assert error["type"] == "rate_limit_error"
+                assert r.headers["retry-after"] == "2"
+                assert (await client.delete("/v1/requests/q1")).status_code == 200
+            assert (await generate(client)).status_code == 200
+
+
+async def test_ready_and_draining(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await client.get("/ready")
+            assert r.status_code == 200
+            body = r.json()
+            assert body["status"] == "ready"
+            assert [(x["index"], x["state"]) for x in body["replicas"]] == [(0, "ready")]
+            server.pool.start_draining()
+            r = await client.get("/ready")
+            error = assert_envelope(r, 503, code="not_ready")
+            assert "draining" in error["message"] and r.headers["retry-after"] == "2"
+            r = await generate(client)
+            assert_envelope(r, 503, code="draining")
+            assert r.headers["retry-after"] == "2"
+            assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_drain_abort_answers_503() -> None:
+    with trio.fail_after(CAP_S):
+        async with run_server() as server, server.client() as client:
+            answers: list[httpx.Response] = []
+            async with trio.open_nursery() as nursery:
+
+                async def post() -> None:
+                    answers.append(await generate(client, num_inference_steps=LONG))
+
+                nursery.start_soon(post)
+                await wait_until(lambda: server.pool.in_flight == 1)
+                server.pool.start_draining()
+                server.pool.abort_all("server shutting down")
+            error = assert_envelope(answers[0], 503, code="aborted")
+            assert "server shutting down" in error["message"]
+
+
+async def test_a_dying_engine_answers_503_and_its_replica_comes_back() -> None:
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(max_worker_restarts=0) as server,
+            server.client() as client,
+            trio.open_nursery() as nursery,
+        ):
+            answers: list[httpx.Response] = []
+
+            async def post() -> None:
+                answers.append(
+                    await generate(client, num_inference_steps=LONG, headers={"X-Request-Id": "d"})
+                )
+
+            nursery.start_soon(post)
+            await wait_until(lambda: server.pool.progress("d") is not None)
+            server.engine().executor.fail(WorkerError("killed by the test"))
+            await wait_until(lambda: bool(answers))
+            assert_envelope(answers[0], 503, code="engine_dead")
+            assert answers[0].headers["retry-after"] == "2"
+            r = await client.get("/ready")
+            if r.status_code != 200:  # the replica may already be back
+                assert_envelope(r, 503, code="not_ready")
+            await wait_until(lambda: server.pool.readiness()[0])
+            assert (await client.get("/ready")).status_code == 200
+            assert (await generate(client)).status_code == 200
+            assert server.pool.replicas_info()[0]["restarts"] == 1
+
+
+async def test_probes_replace_a_bad_request_id(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await client.get("/health", headers={"X-Request-Id": "not valid!"})
+        assert r.status_code == 200
+        assert is_valid_request_id(r.headers["x-request-id"])
+
+
+async def test_api_key() -> None:
+    with trio.fail_after(CAP_S):
+        async with run_server(api_key="sekrit") as server, server.client() as client:
+            good = {"Authorization": "Bearer sekrit"}
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": "Basic sekrit"},
+                {"Authorization": "Bearer"},
+                {"Authorization": "sekrit"},
+            ):
+                r = await client.get("/v1/models", headers=headers)
+                assert_envelope(r, 401, code="invalid_api_key")
+                assert r.headers["www-authenticate"] == "Bearer"
+            r = await client.post(GEN, content=b"{not json", headers={"content-type": "text/plain"})
+            assert_envelope(r, 401, code="invalid_api_key")  # auth comes first
+            assert_envelope(await client.get("/v1/nothing"), 401)
+            assert_envelope(await client.get("/v1/nothing", headers=good), 404, code="unknown_url")
+            assert_envelope(await client.get("/metrics"), 401)
+            assert (await client.get("/metrics", headers=good)).status_code == 200
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ready")).status_code == 200
+            assert (await client.get("/v1/models", headers=good)).status_code == 200
+            lower = {"Authorization": "bearer sekrit"}
+            assert (await generate(client, headers=lower)).status_code == 200
+
+            def sdk(key: str) -> Any:
+                with openai.OpenAI(
+                    base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=20
+                ) as sdk_client:
+                    try:
+                        return sdk_client.images.generate(
+                            model=MODEL,
+                            prompt="x",
+                            size="64x64",
+                            extra_body={"num_inference_steps": 1},
+                        )
+                    except openai.APIStatusError as exc:
+                        return exc
+
+            wrong = await trio.to_thread.run_sync(sdk, "wrong")
+            assert isinstance(wrong, openai.AuthenticationError)
+            assert wrong.body["code"] == "invalid_api_key"
+            right = await trio.to_thread.run_sync(sdk, "sekrit")
+            assert len(right.data) == 1
+
+
+async def test_models_health_and_metrics(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await client.get("/v1/models")
+            assert r.status_code == 200
+            (model,) = r.json()["data"]
+            assert r.json()["object"] == "list"
+            assert (model["id"], model["object"], model["owned_by"]) == (
+                MODEL,
+                "model",
+                "omni-trio",
+            )
+            assert isinstance(model["created"], int)
+            assert (await client.get("/health")).json() == {"status": "ok"}
+            assert (await generate(client, n=2)).status_code == 200
+            assert (await client.get("/nope")).status_code == 404
+            r = await client.get("/metrics")
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/plain")
+        text = r.text
+        for line in (
+            'omni_trio_requests_total{route="/v1/images/generations",status="200"} 1.0',
+            'omni_trio_requests_total{route="unknown",status="404"} 1.0',
+            'omni_trio_requests_total{route="/v1/models",status="200"} 1.0',
+            "omni_trio_images_generated_total 2.0",
+            'omni_trio_engine_state{replica="0"} 2.0',
+            "omni_trio_replicas_ready 1.0",
+            "omni_trio_queue_wait_seconds_count 1.0",
+            'omni_trio_worker_restarts_total{replica="0"} 0.0',
+        ):
+            assert line in text, line
+
+
+async def test_every_request_gets_one_access_record(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            await generate(client, headers={"X-Request-Id": "logged"})
+            await client.get("/nope", headers={"X-Request-Id": "lost"})
+        # The record is written once the answer went out: the client may see it first.
+        await wait_until(lambda: len(server.records) == 2)
+        by_id = {r["request_id"]: r for r in server.records}
+        ok, lost = by_id["logged"], by_id["lost"]
+        assert set(ok) == {
+            "request_id",
+            "method",
+            "path",
+            "route",
+            "status",
+            "outcome",
+            "ms",
+            "client",
+        }
+        assert (ok["route"], ok["status"], ok["outcome"], ok["method"]) == (GEN, 200, "ok", "POST")
+        assert ok["ms"] > 0 and ok["client"].startswith("127.0.0.1:")
+        assert (lost["route"], lost["status"], lost["outcome"]) == ("unknown", 404, "rejected")
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+async def test_a_failed_request_is_a_500_without_internals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    register_models(
+        monkeypatch,
+        {
+            "fake:failing": lambda options: ScriptedModel(
+                fail_with=RuntimeError("secret detail /srv/weights"), name="fake:failing"
+            )
+        },
+    )
+    with trio.fail_after(CAP_S):
+        async with run_server(model="fake:failing") as server, server.client() as client:
+            r = await client.post(
+                GEN, json={"prompt": "x", "model": "fake:failing"}, headers={"X-Request-Id": "f1"}
+            )
+            error = assert_envelope(r, 500, code="RuntimeError")
+            assert error["type"] == "server_error"
+            assert "secret" not in r.text and "f1" in error["message"]
+            r, events = await read_events(client, {"prompt": "x", "stream": True})
+            name, data = events[-1]
+            assert name == "error" and data["error"]["code"] == "RuntimeError"
+            assert "secret" not in json.dumps(data)
+            assert (await client.get("/health")).status_code == 200
+        (record,) = [x for x in server.records if x["request_id"] == "f1"]
+        assert "secret detail" in record["detail"]  # the server-side log keeps it
+
+
+class BrokenStore(ImageStore):
+    def put(self, data: bytes, content_type: str) -> str:
+        raise RuntimeError("store internals: /var/secret")
+
+
+async def test_an_unexpected_error_is_a_generic_500_naming_the_request() -> None:
+    with trio.fail_after(CAP_S):
+        store = BrokenStore(clock=FakeClock())
+        async with run_server(store=store) as server, server.client() as client:
+            r = await generate(client, response_format="url", headers={"X-Request-Id": "b1"})
+            error = assert_envelope(r, 500, code="internal_error")
+            assert "b1" in error["message"] and "secret" not in r.text
+            assert (await generate(client)).status_code == 200
+        (record,) = [x for x in server.records if x["request_id"] == "b1"]
+        assert record["outcome"] == "error" and "/var/secret" in record["detail"]
+
+
+# -- the hostile corpus ---------------------------------------------------------------------
+
+J = {"content-type": "application/json"}
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"prompt": "x", "size": "64x64", "num_inference_steps": 2, **fields}).encode()
+
+
+async def oversize_stream() -> AsyncIterator[bytes]:
+    for _ in range(40):
+        yield b" " * 50_000  # 2 MB in chunks, no Content-Length
+
+
+# (name, method, path, content, headers, status, param, code)
+CORPUS: list[tuple[str, str, str, Any, Any, int, Any, Any]] = [
+    ("invalid json", "POST", GEN, b"{", J, 400, None, "invalid_json"),
+    ("empty body", "POST", GEN, b"", J, 400, None, "invalid_json"),
+    ("trailing garbage", "POST", GEN, b'{"prompt": "x"} x', J, 400, None, "invalid_json"),
+    ("invalid utf-8", "POST", GEN, b'{"prompt": "\xff\xfe"}', J, 400, None, "invalid_json"),
+    ("deep nesting", "POST", GEN, b"[" * 100_000, J, 400, None, "invalid_json"),
+    (
+        "5000-digit int",
+        "POST",
+        GEN,
+        b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}",
+        J,
+        400,
+        None,
+        "invalid_json",
+    ),
+    ("array body", "POST", GEN, b"[]", J, 400, None, "invalid_type"),
+    ("string body", "POST", GEN, b'"draw"', J, 400, None, "invalid_type"),
+    ("null body", "POST", GEN, b"null", J, 400, None, "invalid_type"),
+    ("no prompt", "POST", GEN, b"{}", J, 400, "prompt", "missing_required_parameter"),
+    ("number prompt", "POST", GEN, body(prompt=1), J, 400, "prompt", "invalid_type"),
+    ("empty prompt", "POST", GEN, body(prompt=""), J, 400, "prompt", "invalid_value"),
+    ("huge prompt", "POST", GEN, body(prompt="x" * 4001), J, 400, "prompt", "invalid_value"),
+    ("object prompt", "POST", GEN, body(prompt={"a": 1}), J, 400, "prompt", "invalid_type"),
+    ("bool n", "POST", GEN, body(n=True), J, 400, "n", "invalid_type"),
+    ("zero n", "POST", GEN, body(n=0), J, 400, "n", "invalid_value"),
+    ("huge n", "POST", GEN, body(n=10_000), J, 400, "n", "invalid_value"),
+    ("string n", "POST", GEN, body(n="1"), J, 400, "n", "invalid_type"),
+    ("float n", "POST", GEN, body(n=1.5), J, 400, "n", "invalid_type"),
+    ("huge size", "POST", GEN, body(size="99999x99999"), J, 400, "size", "invalid_value"),
+    ("too many pixels", "POST", GEN, body(size="2048x2048"), J, 400, "size", "invalid_value"),
+    ("odd size", "POST", GEN, body(size="63x64"), J, 400, "size", "invalid_value"),
+    ("word size", "POST", GEN, body(size="large"), J, 400, "size", "invalid_value"),
+    ("int size", "POST", GEN, body(size=512), J, 400, "size", "invalid_type"),
+    ("negative size", "POST", GEN, body(size="-64x-64"), J, 400, "size", "invalid_value"),
+    (
+        "negative steps",
+        "POST",
+        GEN,
+        body(num_inference_steps=-1),
+        J,
+        400,
+        "num_inference_steps",
+        "invalid_value",
+    ),
+    (
+        "zero steps",
+        "POST",
+        GEN,
+        body(num_inference_steps=0),
+        J,
+        400,
+        "num_inference_steps",
+        "invalid_value",
+    ),
+    (
+        "too many steps",
+        "POST",
+        GEN,
+        body(num_inference_steps=10**30),
+        J,
+        400,
+        "num_inference_steps",
+        "invalid_value",
+    ),
+    (
+        "float steps",
+        "POST",
+        GEN,
+        body(num_inference_steps=1e9),
+        J,
+        400,
+        "num_inference_steps",
+        "invalid_type",
+    ),
+    (
+        "bool steps",
+        "POST",
+        GEN,
+        body(num_inference_steps=False),
+        J,
+        400,
+        "num_inference_steps",
+        "invalid_type",
+    ),
+    (
+        "NaN guidance",
+        "POST",
+        GEN,
+        b'{"prompt": "x", "guidance_scale": NaN}',
+        J,
+        400,
+        "guidance_scale",
+        "invalid_value",
+    ),
+    (
+        "inf guidance",
+        "POST",
+        GEN,
+        b'{"prompt": "x", "guidance_scale": -Infinity}',
+        J,
+        400,
+        "guidance_scale",
+        "invalid_value",
+    ),
+    (
+        "negative guidance",
+        "POST",
+        GEN,
+        body(guidance_scale=-0.5),
+        J,
+        400,
+        "guidance_scale",
+        "invalid_value",
+    ),
+    (
+        "string guidance",
+        "POST",
+        GEN,
+        body(guidance_scale="7"),
+        J,
+        400,
+        "guidance_scale",
+        "invalid_type",
+    ),
+    ("negative seed", "POST", GEN, body(seed=-1), J, 400, "seed", "invalid_value"),
+    ("huge seed", "POST", GEN, body(seed=2**40), J, 400, "seed", "invalid_value"),
+    ("float seed", "POST", GEN, body(seed=1.5), J, 400, "seed", "invalid_type"),
+    (
+        "list negative prompt",
+        "POST",
+        GEN,
+        body(negative_prompt=["a"]),
+        J,
+        400,
+        "negative_prompt",
+        "invalid_type",
+    ),
+    (
+        "bad response format",
+        "POST",
+        GEN,
+        body(response_format="xml"),
+        J,
+        400,
+        "response_format",
+        "invalid_value",
+    ),
+    (
+        "bad output format",
+        "POST",
+        GEN,
+        body(output_format="bmp"),
+        J,
+        400,
+        "output_format",
+        "invalid_value",
+    ),
+    (
+        "bad compression",
+        "POST",
+        GEN,
+        body(output_compression=200),
+        J,
+        400,
+        "output_compression",
+        "invalid_value",
+    ),
+    ("string stream", "POST", GEN, body(stream="yes"), J, 400, "stream", "invalid_type"),
+    (
+        "too many partials",
+        "POST",
+        GEN,
+        body(partial_images=10),
+        J,
+        400,
+        "partial_images",
+        "invalid_value",
+    ),
+    ("negative timeout", "POST", GEN, body(timeout=-3), J, 400, "timeout", "invalid_value"),
+    ("string timeout", "POST", GEN, body(timeout="soon"), J, 400, "timeout", "invalid_type"),
+    ("unknown field", "POST", GEN, body(foo=1), J, 400, "foo", "unknown_parameter"),
+    ("proto field", "POST", GEN, body(__proto__={}), J, 400, "__proto__", "unknown_parameter"),
+    (
+        "engine-only field",
+        "POST",
+        GEN,
+        body(extra_args={"faults": []}),
+        J,
+        400,
+        "extra_args",
+        "unknown_parameter",
+    ),
+    ("other model", "POST", GEN, body(model="gpt-image-1"), J, 404, "model", "model_not_found"),
+    ("number model", "POST", GEN, body(model=7), J, 400, "model", "invalid_type"),
+    ("no content type", "POST", GEN, body(), {}, 415, "Content-Type", "unsupported_media_type"),
+    (
+        "text content type",
+        "POST",
+        GEN,
+        body(),
+        {"content-type": "text/plain"},
+        415,
+        "Content-Type",
+        "unsupported_media_type",
+    ),
+    (
+        "form content type",
+        "POST",
+        GEN,
+        b"prompt=x",
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        "Content-Type",
+        "unsupported_media_type",
+    ),
+    (
+        "json-ish content type",
+        "POST",
+        GEN,
+        body(),
+        {"content-type": "application/jsonx"},
+        415,
+        "Content-Type",
+        "unsupported_media_type",
+    ),
+    ("oversize by length", "POST", GEN, b" " * 2_000_000, J, 413, None, "request_too_large"),
+    ("oversize chunked", "POST", GEN, oversize_stream, J, 413, None, "request_too_large"),
+    (
+        "bad request id chars",
+        "POST",
+        GEN,
+        body(),
+        {**J, "X-Request-Id": "a b"},
+        400,
+        "X-Request-Id",
+        "invalid_request_id",
+    ),
+    (
+        "long request id",
+        "POST",
+        GEN,
+        body(),
+        {**J, "X-Request-Id": "a" * 129},
+        400,
+        "X-Request-Id",
+        "invalid_request_id",
+    ),
+    (
+        "path request id",
+        "POST",
+        GEN,
+        body(),
+        {**J, "X-Request-Id": "../etc"},
+        400,
+        "X-Request-Id",
+        "invalid_request_id",
+    ),
+    (
+        "empty request id",
+        "POST",
+        GEN,
+        body(),
+        {**J, "X-Request-Id": ""},
+        400,
+        "X-Request-Id",
+        "invalid_request_id",
+    ),
+    (
+        "two request ids",
+        "POST",
+        GEN,
+        body(),
+        [("content-type", "application/json"), ("X-Request-Id", "a"), ("X-Request-Id", "b")],
+        400,
+        "X-Request-Id",
+        "invalid_request_id",
+    ),
+    ("get generations", "GET", GEN, None, {}, 405, None, "method_not_allowed"),
+    ("put generations", "PUT", GEN, body(), J, 405, None, "method_not_allowed"),
+    ("unknown route", "GET", "/nope", None, {}, 404, None, "unknown_url"),
+    ("unknown v1 route", "POST", "/v1/chat/completions", body(), J, 404, None, "unknown_url"),
+    ("traversal", "GET", "/v1/files/../../etc/passwd", None, {}, 404, None, ...),
+    ("post models", "POST", "/v1/models", body(), J, 405, None, "method_not_allowed"),
+    ("get request", "GET", "/v1/requests/x", None, {}, 405, None, "method_not_allowed"),
+    ("delete unknown", "DELETE", "/v1/requests/nobody", None, {}, 404, "id", "request_not_found"),
+    ("delete empty id", "DELETE", "/v1/requests/", None, {}, 404, "id", "request_not_found"),
+    ("unknown file", "GET", "/v1/files/file-x/content", None, {}, 404, None, "file_not_found"),
+    ("nested file path", "GET", "/v1/files/a/b/content", None, {}, 404, None, "unknown_url"),
+    ("post health", "POST", "/health", b"{}", J, 405, None, "method_not_allowed"),
+    ("delete metrics", "DELETE", "/metrics", None, {}, 405, None, "method_not_allowed"),
+]
+
+
+async def test_a_corpus_of_hostile_requests_gets_envelopes_and_leaves_the_server_fine(
+    server: Server,
+) -> None:
+    assert len(CORPUS) >= 50
+    with trio.fail_after(CAP_S * 2):
+        async with server.client() as client:
+            for name, method, path, content, headers, status, param, code in CORPUS:
+                if callable(content):
+                    content = content()
+                r = await client.request(method, path, content=content, headers=headers)
+                try:
+                    assert_envelope(r, status, param=param, code=code)
+                    if status == 405:
+                        assert r.headers["allow"]
+                except AssertionError as exc:
+                    raise AssertionError(f"corpus case {name!r}: {exc}") from exc
+            # The same id twice while the first request runs: 409, and the first is untouched.
+            async with trio.open_nursery() as nursery:
+                first: list[httpx.Response] = []
+
+                async def post_first() -> None:
+                    first.append(
+                        await generate(
+                            client, num_inference_steps=30, headers={"X-Request-Id": "dup"}
+                        )
+                    )
+
+                nursery.start_soon(post_first)
+                await wait_until(lambda: server.pool.in_flight == 1)
+                r = await generate(client, headers={"X-Request-Id": "dup"})
+                assert_envelope(r, 409, param="X-Request-Id", code="duplicate_request_id")
+            assert first[0].status_code == 200
+            assert decode_b64(first[0].json()["data"][0]["b64_json"])[1][0] == "dup"
+            # Still healthy and still generating.
+            assert (await client.get("/health")).json() == {"status": "ok"}
+            assert (await client.get("/ready")).status_code == 200
+            r = await generate(client, seed=1, headers={"X-Request-Id": "after"})
+            assert r.status_code == 200
+            assert decode_b64(r.json()["data"][0]["b64_json"])[1] == ("after", 1, 0)
+        assert server.pool.in_flight == 0
+        statuses = [rec["status"] for rec in server.records]
+        assert 500 not in statuses
+
+
+# -- lifespan -------------------------------------------------------------------------------
+
+
+async def test_lifespan_is_acknowledged() -> None:
+    from omni_trio.config import EngineConfig
+    from omni_trio.serve.metrics import ServeMetrics
+    from omni_trio.serve.pool import EnginePool
+
+    pool = EnginePool(EngineConfig(model=MODEL))
+    app = ImagesApp(
+        pool,
+        model_name=MODEL,
+        limits=ServeLimits(),
+        api_key=None,
+        store=ImageStore(),
+        metrics=ServeMetrics(pool),
+    )
+    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    with trio.fail_after(CAP_S):
+        await app({"type": "lifespan"}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

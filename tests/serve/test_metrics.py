@@ -1,0 +1,114 @@
+"""ServeMetrics: its own registry, the counters the app feeds, the pool read at scrape time."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_trio._core.messages import RequestMetrics
+from omni_trio.config import EngineConfig
+from omni_trio.serve.metrics import CONTENT_TYPE, ServeMetrics
+from omni_trio.serve.pool import EnginePool
+
+
+def samples(metrics: ServeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+class FakePool:
+    """What the scrape-time collector reads from an EnginePool."""
+
+    def __init__(self, replicas: list[dict[str, Any]], in_flight: int, draining: bool) -> None:
+        self._replicas = replicas
+        self.in_flight = in_flight
+        self.draining = draining
+
+    def replicas_info(self) -> list[dict[str, Any]]:
+        return self._replicas
+
+
+def replica(index: int, state: str, **kw: Any) -> dict[str, Any]:
+    stats = kw.pop("statistics", None)
+    return {
+        "index": index,
+        "state": state,
+        "healthy": state == "ready",
+        "reason": None,
+        "restarts": kw.get("restarts", 0),
+        "worker_restarts": kw.get("worker_restarts", 0),
+        "in_flight": 0,
+        "statistics": stats,
+    }
+
+
+def test_counters_and_histograms() -> None:
+    m = ServeMetrics()
+    m.observe_request("/v1/images/generations", 200)
+    m.observe_request("/v1/images/generations", 200)
+    m.observe_request("/health", 404)
+    m.observe_abort("timeout")
+    m.observe_generation(
+        RequestMetrics(queue_wait_ms=10.0, execution_ms=200.0, e2e_ms=220.0), 250.0, 2
+    )
+    s = samples(m)
+    assert (
+        s[("omni_trio_requests_total", (("route", "/v1/images/generations"), ("status", "200")))]
+        == 2
+    )
+    assert s[("omni_trio_requests_total", (("route", "/health"), ("status", "404")))] == 1
+    assert s[("omni_trio_aborts_total", (("reason", "timeout"),))] == 1
+    assert s[("omni_trio_images_generated_total", ())] == 2
+    assert s[("omni_trio_queue_wait_seconds_count", ())] == 1
+    assert s[("omni_trio_queue_wait_seconds_sum", ())] == 0.01
+    assert s[("omni_trio_execution_seconds_bucket", (("le", "0.25"),))] == 1
+    assert s[("omni_trio_end_to_end_seconds_bucket", (("le", "0.1"),))] == 0
+    assert s[("omni_trio_end_to_end_seconds_sum", ())] == 0.25
+    assert CONTENT_TYPE.startswith("text/plain")
+
+
+def test_each_server_has_its_own_registry() -> None:
+    a, b = ServeMetrics(), ServeMetrics()
+    a.observe_request("/health", 200)
+    assert ("omni_trio_requests_total", (("route", "/health"), ("status", "200"))) in samples(a)
+    assert ("omni_trio_requests_total", (("route", "/health"), ("status", "200"))) not in samples(b)
+
+
+def test_pool_gauges_are_read_at_scrape_time() -> None:
+    stats = {"waiting": 3, "running": 1}
+    pool = FakePool(
+        [
+            replica(0, "ready", statistics=stats, worker_restarts=2),
+            replica(1, "restarting", restarts=1),
+            replica(2, "failed", restarts=5),
+        ],
+        in_flight=4,
+        draining=True,
+    )
+    m = ServeMetrics(cast(EnginePool, pool))
+    s = samples(m)
+    assert s[("omni_trio_queue_depth", ())] == 3
+    assert s[("omni_trio_running", ())] == 1
+    assert s[("omni_trio_in_flight", ())] == 4
+    assert s[("omni_trio_replicas_ready", ())] == 1
+    assert s[("omni_trio_draining", ())] == 1
+    assert [s[("omni_trio_engine_state", (("replica", str(i)),))] for i in range(3)] == [2, 1, 0]
+    assert s[("omni_trio_worker_restarts_total", (("replica", "0"),))] == 2
+    assert s[("omni_trio_replica_restarts_total", (("replica", "2"),))] == 5
+    pool.in_flight = 0
+    pool._replicas[1] = replica(1, "ready", statistics={"waiting": 0, "running": 2})
+    s = samples(m)
+    assert s[("omni_trio_in_flight", ())] == 0
+    assert s[("omni_trio_running", ())] == 3
+    assert s[("omni_trio_replicas_ready", ())] == 2
+
+
+def test_a_pool_that_is_not_serving_yet_scrapes_as_starting() -> None:
+    m = ServeMetrics(EnginePool(EngineConfig(model="builtin:echo"), replicas=2))
+    s = samples(m)
+    assert s[("omni_trio_replicas_ready", ())] == 0
+    assert s[("omni_trio_engine_state", (("replica", "1"),))] == 1

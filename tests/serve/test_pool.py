@@ -1,0 +1,290 @@
+"""EnginePool against real ``builtin:echo`` engines (inproc): routing, admission errors, ids,
+aborts, draining, and one_for_one supervision of replicas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+import omni_trio.serve.pool as pool_module
+from omni_trio import RequestStatus
+from omni_trio._core.messages import DiffusionOutput
+from omni_trio._core.request import SamplingParams
+from omni_trio.config import EngineConfig
+from omni_trio.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidRequestError,
+    OmniTrioError,
+    RestartLimitError,
+    WorkerError,
+)
+from omni_trio.models.echo import decode_echo_image
+from omni_trio.serve.pool import (
+    DrainingError,
+    EnginePool,
+    NotReadyError,
+    QueueFullError,
+    Submission,
+    new_request_id,
+)
+from omni_trio.supervisor import RestartPolicy
+from tests.serve.conftest import CAP_S, STEP_DELAY_S, wait_until
+
+LONG = SamplingParams(height=64, width=64, num_inference_steps=200)  # ~4 s: aborted by tests
+SHORT = SamplingParams(height=64, width=64, num_inference_steps=2)
+
+
+def echo_config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(
+        model="builtin:echo", warmup=False, model_options={"step_delay_s": STEP_DELAY_S}
+    ).replace(**overrides)
+
+
+@asynccontextmanager
+async def serving(pool: EnginePool) -> AsyncIterator[EnginePool]:
+    async with trio.open_nursery() as nursery:
+        started = await nursery.start(pool.serve)
+        assert started is pool
+        try:
+            yield pool
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def final_of(submission: Submission) -> DiffusionOutput:
+    async with submission.stream as stream:
+        async for output in stream:
+            if output.finished:
+                return output
+    raise AssertionError("the stream ended without a terminal output")
+
+
+def test_errors_are_omni_trio_errors() -> None:
+    for cls in (QueueFullError, DrainingError, NotReadyError):
+        assert issubclass(cls, OmniTrioError)
+    assert QueueFullError(3, 3).max_queue_len == 3
+
+
+def test_configuration_is_checked() -> None:
+    with pytest.raises(InvalidConfigError, match="tractor") as info:
+        EnginePool(EngineConfig(backend="tractor"), replicas=2)
+    assert info.value.field == "replicas"
+    EnginePool(EngineConfig(backend="tractor"), replicas=1)  # one tractor engine is fine
+    for bad in (0, True, 1.5):
+        with pytest.raises(InvalidConfigError):
+            EnginePool(echo_config(), replicas=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidConfigError):
+            EnginePool(echo_config(), max_queue_len=bad)  # type: ignore[arg-type]
+
+
+def test_generated_ids_are_unique() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+
+
+def test_not_ready_before_serving() -> None:
+    pool = EnginePool(echo_config())
+    assert pool.readiness() == (False, "starting")
+    with pytest.raises(NotReadyError):
+        pool.submit("x", SHORT)
+    assert [r["state"] for r in pool.replicas_info()] == ["starting"]
+
+
+async def test_every_replica_opens_before_ready_and_serves() -> None:
+    with trio.fail_after(CAP_S):
+        traced: list[int] = []
+
+        def trace_factory(index: int) -> None:
+            traced.append(index)
+
+        async with serving(
+            EnginePool(echo_config(), replicas=2, trace_factory=trace_factory)
+        ) as pool:
+            assert traced == [0, 1]
+            assert pool.readiness() == (True, None)
+            info = pool.replicas_info()
+            assert [(r["index"], r["state"], r["healthy"], r["restarts"]) for r in info] == [
+                (0, "ready", True, 0),
+                (1, "ready", True, 0),
+            ]
+            assert info[0]["statistics"]["waiting"] == 0
+            sub = pool.submit("x", SHORT.replace(seed=11), request_id="one")
+            assert (sub.request_id, sub.replica, sub.seed) == ("one", 0, 11)
+            assert pool.in_flight == 1
+            out = await final_of(sub)
+            assert out.status is RequestStatus.FINISHED_COMPLETED
+            assert decode_echo_image(out.images[0]) == ("one", 11, 0)
+            assert pool.in_flight == 0
+            await pool.wait_idle()
+        assert pool.readiness() == (False, "the engine pool is stopped")
+
+
+async def test_least_loaded_routing() -> None:
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), replicas=2)) as pool:
+            a = pool.submit("a", LONG)
+            b = pool.submit("b", LONG)
+            c = pool.submit("c", LONG)
+            assert [s.replica for s in (a, b, c)] == [0, 1, 0]
+            assert [r["in_flight"] for r in pool.replicas_info()] == [2, 1]
+            assert pool.abort(b.request_id) == "aborted"
+            out = await final_of(b)
+            assert out.status is RequestStatus.FINISHED_ABORTED
+            assert b.stream.abort_reason == "cancelled"
+            d = pool.submit("d", LONG)
+            e = pool.submit("e", LONG)
+            assert (d.replica, e.replica) == (1, 1)  # 2 vs 0, then 2 vs 1
+            pool.abort_all("test over")
+            for sub in (a, c, d, e):
+                assert (await final_of(sub)).status is RequestStatus.FINISHED_ABORTED
+                assert sub.stream.abort_reason == "test over"
+            await pool.wait_idle()
+            assert pool.in_flight == 0
+
+
+async def test_request_ids_are_unique_across_replicas() -> None:
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), replicas=2)) as pool:
+            first = pool.submit("x", LONG, request_id="same")
+            assert first.replica == 0
+            # Replica 1 is idle, but the id is in flight on replica 0.
+            with pytest.raises(DuplicateRequestError):
+                pool.submit("x", LONG, request_id="same")
+            assert pool.in_flight == 1
+            assert pool.abort("same") == "aborted"
+            await final_of(first)
+            assert pool.abort("same") == "finished"
+            assert pool.abort("never-seen") == "unknown"
+            again = pool.submit("x", SHORT, request_id="same")  # reusable once ended
+            assert (await final_of(again)).status is RequestStatus.FINISHED_COMPLETED
+            assert pool.abort("same") == "finished"
+
+
+async def test_engine_validation_errors_admit_nothing() -> None:
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config())) as pool:
+            with pytest.raises(InvalidRequestError) as info:
+                pool.submit("x", SHORT.replace(height=63))
+            assert info.value.param == "height"
+            assert pool.in_flight == 0
+            assert pool.abort("anything") == "unknown"
+
+
+async def test_queue_full_and_draining() -> None:
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), max_queue_len=2)) as pool:
+            a = pool.submit("a", LONG)
+            b = pool.submit("b", SamplingParams(height=64, width=64, num_inference_steps=5))
+            with pytest.raises(QueueFullError, match="max_queue_len=2"):
+                pool.submit("c", SHORT)
+            pool.abort(a.request_id)
+            await final_of(a)
+            pool.start_draining()
+            assert pool.draining
+            ready, reason = pool.readiness()
+            assert not ready and reason is not None and "draining" in reason
+            with pytest.raises(DrainingError):
+                pool.submit("c", SHORT)
+            # In-flight requests finish while draining.
+            done = trio.Event()
+
+            async def drain() -> None:
+                await pool.wait_idle()
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain)
+                assert not done.is_set()
+                out = await final_of(b)
+                assert out.status is RequestStatus.FINISHED_COMPLETED
+            assert done.is_set() and pool.in_flight == 0
+
+
+async def test_finished_ids_are_remembered_in_a_bounded_lru(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pool_module, "FINISHED_IDS_KEPT", 2)
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config())) as pool:
+            for rid in ("r1", "r2", "r3"):
+                await final_of(pool.submit("x", SHORT, request_id=rid))
+            assert [pool.abort(rid) for rid in ("r1", "r2", "r3")] == [
+                "unknown",
+                "finished",
+                "finished",
+            ]
+
+
+async def test_a_dead_replica_is_reopened_and_the_others_are_not_disturbed() -> None:
+    with trio.fail_after(CAP_S):
+        # The engine gives up on its first worker-group failure: the replica's engine dies.
+        pool = EnginePool(
+            echo_config(max_worker_restarts=0),
+            replicas=2,
+            restart_policy=RestartPolicy(max_restarts=3, backoff_s=0.0),
+            health_poll_s=0.02,
+        )
+        async with serving(pool):
+            victim = pool.submit("a", LONG, request_id="victim")
+            bystander = pool.submit(
+                "b",
+                SamplingParams(height=64, width=64, num_inference_steps=40, seed=5),
+                request_id="bystander",
+            )
+            assert (victim.replica, bystander.replica) == (0, 1)
+            engine0, engine1 = pool.replica_engine(0), pool.replica_engine(1)
+            assert engine0 is not None and engine1 is not None
+            await wait_until(lambda: engine0.statistics().running == 1)
+            results: dict[str, DiffusionOutput] = {}
+
+            async def consume(sub: Submission) -> None:
+                results[sub.request_id] = await final_of(sub)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, victim)
+                nursery.start_soon(consume, bystander)
+                await trio.sleep(0.1)
+                engine0.executor.fail(WorkerError("killed by the test", worker=0))
+            assert results["victim"].status is RequestStatus.FINISHED_ERROR
+            assert results["victim"].error_type == "EngineDeadError"
+            # The bystander on replica 1 ran to completion on the same engine.
+            assert results["bystander"].status is RequestStatus.FINISHED_COMPLETED
+            assert decode_echo_image(results["bystander"].images[0]) == ("bystander", 5, 0)
+            assert pool.replica_engine(1) is engine1 and engine1.health().healthy
+            assert engine1.statistics().finished_error == 0
+            # Replica 0 comes back with a fresh engine.
+            await wait_until(lambda: pool.readiness()[0])
+            info = pool.replicas_info()
+            assert [(r["state"], r["restarts"]) for r in info] == [("ready", 1), ("ready", 0)]
+            assert pool.replica_engine(0) is not engine0
+            out = await final_of(pool.submit("c", SHORT, request_id="after"))
+            assert out.status is RequestStatus.FINISHED_COMPLETED
+
+
+async def test_past_the_restart_limit_serve_raises() -> None:
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(
+            echo_config(max_worker_restarts=0),
+            replicas=2,
+            restart_policy=RestartPolicy(max_restarts=0),
+            health_poll_s=0.02,
+        )
+        with pytest.raises(RestartLimitError) as info:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(pool.serve)
+                engine = pool.replica_engine(1)
+                assert engine is not None
+                engine.executor.fail(WorkerError("killed by the test"))
+                await trio.sleep_forever()
+        assert info.value.child == "replica-1"
+        ready, reason = pool.readiness()
+        assert not ready and reason is not None and "gave up" in reason
+        with pytest.raises(EngineDeadError):
+            pool.submit("x", SHORT)
+        assert pool.replica_engine(0) is None and pool.replica_engine(1) is None
