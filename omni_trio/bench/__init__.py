@@ -3,8 +3,10 @@
 Experiments: ``overhead`` (engine vs a direct call of the same loaded model), ``throughput``
 (N requests at a concurrency), ``scheduler`` (per-tick cost vs queue length), ``steps`` (step
 mode vs request mode on a mixed workload, issue #3) and ``backends`` (tractor vs inproc,
-async output, shared-memory transfer, CFG-parallel; issue #4).  Each prints a
-table and, with ``--json FILE``, writes the figures with the machine and the command.
+async output, shared-memory transfer, CFG-parallel; issue #4), ``recovery`` (a worker SIGKILL
+until the engine serves again, and a kill-every-few-seconds soak; issue #5) and ``serve`` (the
+HTTP daemon vs the same model in-process; issue #6).  Each prints a table and, with
+``--json FILE``, writes the figures with the machine and the command.
 ``--quick`` is a smoke run (seconds); its numbers mean nothing.
 
 The CLI registers the subcommand with :func:`add_bench_parser`; ``python -m omni_trio.bench``

@@ -13,7 +13,7 @@ from .harness import Report, command_line
 
 __all__ = ["EXPERIMENTS", "add_bench_parser", "configure_parser", "run_bench"]
 
-EXPERIMENTS = ("overhead", "throughput", "scheduler", "steps", "backends", "recovery")
+EXPERIMENTS = ("overhead", "throughput", "scheduler", "steps", "backends", "recovery", "serve")
 
 _HELP = {
     "overhead": "engine latency vs a direct call of the same loaded model; echo runtime cost",
@@ -22,6 +22,7 @@ _HELP = {
     "steps": "step mode (continuous batching) vs request mode on a mixed-step workload",
     "backends": "tractor vs inproc: per-request cost, async output, shm transfer, CFG-parallel",
     "recovery": "worker SIGKILL: time until the engine serves again; a kill-every-few-s soak",
+    "serve": "the HTTP daemon under closed- and open-loop load vs the same model in-process",
 }
 
 
@@ -70,7 +71,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
-        help="run a benchmark: overhead, throughput, scheduler, steps, backends or recovery",
+        help="run a benchmark: overhead, throughput, scheduler, steps, backends, recovery or serve",
         description="Benchmarks: warmup, interleaved repeated measurement, a table and JSON.",
     )
     configure_parser(parser)

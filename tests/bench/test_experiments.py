@@ -228,3 +228,31 @@ def test_recovery_quick(tmp_path: Path, cache_dir: Path) -> None:
     assert soak["kills"] >= 1 and soak["restarts"] == soak["kills"]
     assert soak["requests_completed"] > 0 and soak["lost"] == []
     assert results["invariant_violations"] == {"recovery": 0, "soak": 0}
+
+
+def test_serve_quick(tmp_path: Path, cache_dir: Path) -> None:
+    code, data, out = _run(["serve", "--cache-dir", str(cache_dir)], tmp_path)
+    assert code == 0, out
+    _check_common(data, "serve")
+    params = data["params"]
+    assert (params["model"], params["steps"], params["size"]) == ("builtin:echo", 4, "64x64")
+    assert params["concurrency"] == [4] and params["duration_s"] == 3.0
+    assert params["url"].startswith("http://127.0.0.1:")
+    results = data["results"]
+    assert set(results["closed_loop"]) == {"4"}
+    for entry in (results["closed_loop"]["4"], results["open_loop"]):
+        for mode in ("http", "direct"):
+            figures = entry[mode]
+            assert figures["failed"] == figures["unfinished"] == 0, figures["errors"]
+            assert figures["completed"] == figures["requests"] > 0
+            _check_summary(figures["requests_per_s"])
+            _check_summary(figures["latency_ms"])
+            _check_summary(figures["queue_wait_ms"])
+        _check_summary(entry["http"]["server_ms"])
+        _check_summary(entry["http_over_direct_requests_per_s"])
+        assert isinstance(entry["added_latency_ms_p50"], float)
+    open_loop = results["open_loop"]
+    assert open_loop["rate_per_s"] > 0 and open_loop["rate_source"].startswith("70% of ")
+    assert open_loop["http"]["requests"] == open_loop["direct"]["requests"]
+    assert [r["mode"] for r in data["rows"]] == ["http", "direct", "http", "direct"]
+    assert "| part" in out
