@@ -2,7 +2,7 @@
 
 Experiments: ``overhead`` (engine vs a direct call of the same loaded model), ``throughput``
 (N requests at a concurrency), ``scheduler`` (per-tick cost vs queue length), ``steps`` (step
-mode vs request mode on a mixed workload, issue #3) and ``backends`` (tractor vs inproc,
+mode vs request mode on a mixed workload, issue #3), ``backends`` (tractor vs inproc,
 async output, shared-memory transfer, CFG-parallel; issue #4), ``recovery`` (a worker SIGKILL
 until the engine serves again, and a kill-every-few-seconds soak; issue #5) and ``serve`` (the
 HTTP daemon vs the same model in-process; issue #6).  Each prints a table and, with
