@@ -13,9 +13,19 @@ from typing import Any
 from ._core.request import RequestLimits
 from .errors import InvalidConfigError
 
-__all__ = ["BACKENDS", "EngineConfig", "default_cache_dir", "default_torch_threads"]
+__all__ = [
+    "BACKENDS",
+    "WORKER_START_METHODS",
+    "EngineConfig",
+    "default_cache_dir",
+    "default_torch_threads",
+]
 
 BACKENDS = ("inproc", "tractor", "ray")
+# How the tractor backend starts a worker process (see docs/backends.md): "trio" runs a fresh
+# interpreter per worker; "forkserver" forks it from a server that already imported torch,
+# diffusers and the worker code, so a restarted worker is ready in a fraction of a second.
+WORKER_START_METHODS = ("trio", "forkserver")
 
 
 def default_cache_dir() -> Path:
@@ -118,6 +128,9 @@ class EngineConfig:
     worker_restart_backoff_s: float = 0.05
     worker_restart_backoff_max_s: float = 5.0
     max_retries_on_worker_failure: int = 1
+    # tractor backend: "trio" (a fresh interpreter per worker) or "forkserver" (forked from
+    # a preloaded fork server that lives as long as this process: fast restarts).
+    worker_start_method: str = "trio"
     # Accept fault-injection requests (``omni_trio.testing.faults``) in extra_args.  Off by
     # default: a production engine never lets a request crash its workers on purpose.
     fault_injection: bool = False
@@ -159,6 +172,12 @@ class EngineConfig:
         _nonneg_float("worker_restart_window_s", self.worker_restart_window_s)
         _nonneg_float("worker_restart_backoff_s", self.worker_restart_backoff_s)
         _nonneg_float("worker_restart_backoff_max_s", self.worker_restart_backoff_max_s)
+        if self.worker_start_method not in WORKER_START_METHODS:
+            raise InvalidConfigError(
+                f"worker_start_method must be one of {', '.join(WORKER_START_METHODS)}, "
+                f"got {self.worker_start_method!r}",
+                field="worker_start_method",
+            )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",

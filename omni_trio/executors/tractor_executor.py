@@ -16,6 +16,14 @@ Shape (see ``notes/tractor-0.1.0a5.md`` for why each piece is there):
   the rank, the pid and the exit status, and the whole group is torn down.
 - Every call is sent to all ranks; only the output rank ships its result, the others reply
   with an acknowledgement (so a failure on any rank is seen, with its traceback).
+- ``EngineConfig.worker_start_method``: ``"trio"`` (tractor's default) runs each worker as a
+  fresh interpreter, which imports torch, diffusers and our worker code again on every
+  restart; ``"forkserver"`` selects tractor's forkserver method with the heavy modules
+  preloaded (:data:`FORKSERVER_PRELOAD`) in the stdlib fork server, which lives as long as
+  this process and forks every later worker ready-made.  A forkserver worker is a child of
+  the fork server, not of the engine: it is handed the engine's pid to watch
+  (``serve_worker(engine_pid=...)``), and its exit status comes from the fork server
+  through tractor's ``multiprocessing.Process`` (``waitpid`` is not ours to call).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import multiprocessing
 import os
 import secrets
 import signal
@@ -44,7 +53,7 @@ from ..ipc import SegmentRegistry
 from .base import Executor, WorkerState
 from .result_pump import ResultPump
 
-__all__ = ["TractorExecutor"]
+__all__ = ["FORKSERVER_PRELOAD", "TractorExecutor"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +131,79 @@ async def _wait_exited(pid: int) -> None:
         os.close(fd)
 
 
+# What the fork server imports once, so that no forked worker pays for it: torch, diffusers
+# (with the pipeline, UNet and CLIP modules the built-in and local SD-family models load) and
+# our worker code.  "__main__" as in the stdlib default: the engine's main script is run
+# (as ``__mp_main__``) once in the fork server instead of once in every worker.  A module
+# that is not installed is skipped by the fork server.  None of them starts a thread or
+# initialises CUDA at import (a fork server must stay single-threaded and CUDA-free).
+FORKSERVER_PRELOAD = (
+    "__main__",
+    "numpy",
+    "torch",
+    "diffusers",
+    "diffusers.pipelines.pipeline_utils",
+    "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+    "transformers.models.clip.modeling_clip",
+    "omni_trio.ipc",
+    "omni_trio.models.loading",
+    "omni_trio.models.pipeline",
+    "omni_trio.executors.worker_thread",
+    "omni_trio.worker.worker",
+    "omni_trio.worker.tractor_actor",
+)
+
+# pid of the fork server that has answered a fork request (its preload is done), if any.
+_forkserver_warm_pid: int | None = None
+
+
+def _forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return int(pid) if pid is not None else None
+
+
+def _ensure_forkserver(preload: list[str]) -> None:
+    """Start the fork server with ``preload`` if none runs yet, and return once it answers
+    a fork request, i.e. once its preload is done (blocking: call it in a thread).
+
+    tractor's ``forkserver`` spawn starts each worker with a blocking ``Process.start()`` on
+    the event loop, which waits for the fork server: warming it here keeps the first
+    group's multi-second preload off the loop; a warm server forks in milliseconds.  Must
+    run after tractor selected the method (it swaps in its own fork server then)."""
+    global _forkserver_warm_pid
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    if _forkserver_pid() is None:
+        # Only a server started from here on sees it; a running one keeps its own.
+        ctx.set_forkserver_preload(preload)
+    forkserver.ensure_running()  # (re)starts it if there is none or it died
+    pid = _forkserver_pid()
+    if pid is None or pid == _forkserver_warm_pid:
+        return
+    probe = ctx.Process(target=os.getpid, name="omni-trio-forkserver-probe", daemon=True)
+    probe.start()  # returns once the server forked: its preload is done
+    probe.join()
+    _forkserver_warm_pid = pid
+
+
+def _runs(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
 @dataclass(eq=False)
 class _Waiter:
     done: trio.Event = field(default_factory=trio.Event)
@@ -148,16 +230,48 @@ class _WorkerLink:
     last_progress_at: float = 0.0
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     pending: dict[int, _Waiter] = field(default_factory=dict)
-    # tractor's (private) trio.Process of this worker, when found; for its exit status.
+    # tractor's (private) process object of this worker, when found, for its exit status:
+    # a trio.Process (start method "trio": our child, reaped with waitpid), or a
+    # multiprocessing.Process ("forkserver": the fork server's child; the fork server reaps
+    # it and reports the status on the Process's sentinel).
     process: Any = None
     # The process's exit status once it is known (negative: killed by that signal).
     exit_code: int | None = None
+    # forkserver: the pid of the fork server that forked this worker (it reports the status).
+    fork_server: int | None = None
 
     def poll_exit_code(self) -> int | None:
         """The exit status if the process has exited (reaping it if needed), else None."""
         if self.exit_code is None and self.process is not None:
-            code = self.process.poll()
+            proc = self.process
+            try:
+                if isinstance(proc, multiprocessing.process.BaseProcess):
+                    code = proc.exitcode
+                    if code == 255 and self._status_lost():
+                        return None
+                else:
+                    code = proc.poll()
+            except (ValueError, OSError):  # a closed Process object
+                code = None
             self.exit_code = code if isinstance(code, int) else None
+        return self.exit_code
+
+    def _status_lost(self) -> bool:
+        """multiprocessing says 255 when the fork server's status pipe hits EOF: if the fork
+        server itself is gone, this worker's real exit status is lost."""
+        return self.fork_server is not None and not _runs(self.fork_server)
+
+    async def wait_exit_code(self, timeout: float = 1.0) -> int | None:
+        """The exit status of the process, which has exited: at once for our own child; a
+        forkserver worker's status arrives from the fork server a moment after the exit
+        (it reaps on SIGCHLD), so that one is polled for up to ``timeout`` seconds."""
+        with trio.move_on_after(timeout):
+            while self.poll_exit_code() is None and self.process is not None:
+                if not isinstance(self.process, multiprocessing.process.BaseProcess):
+                    break
+                if self._status_lost():
+                    break
+                await trio.sleep(0.005)
         return self.exit_code
 
     def fail_pending(self, error: BaseException) -> None:
@@ -220,6 +334,14 @@ class TractorExecutor(Executor):
         from ..models import ModelInfo
         from ..worker.tractor_actor import WORKER_MODULE
 
+        start_method = self.config.worker_start_method
+        if start_method == "forkserver" and multiprocessing.current_process().name != "MainProcess":
+            # tractor 0.1.0a5 starts its fork server only from the main process.
+            raise InvalidConfigError(
+                "worker_start_method='forkserver' needs the engine in the main process, not "
+                f"in the multiprocessing child {multiprocessing.current_process().name!r}",
+                field="worker_start_method",
+            )
         runtime = tractor.current_actor(err_on_no_runtime=False)
         if runtime is None:
             # We open the process's tractor runtime: it lives exactly as long as this serve.
@@ -251,10 +373,37 @@ class TractorExecutor(Executor):
                 self._pump_send, self._pump_replies = trio.open_memory_channel[AsyncOutput](
                     math.inf
                 )
+            # The start method is process-wide tractor state: select it explicitly every
+            # time (a forkserver engine earlier in this process must not leave it set).  An
+            # application's own runtime keeps the method it chose.
+            nursery_options: dict[str, Any] = (
+                {"start_method": start_method} if runtime is None else {}
+            )
             async with tractor.open_nursery(
-                arbiter_addr=self.registry_addr, loglevel="critical"
+                arbiter_addr=self.registry_addr, loglevel="critical", **nursery_options
             ) as actors:
                 try:
+                    from tractor import _spawn
+
+                    if _spawn._spawn_method == "forkserver":
+                        # After tractor selected the method (it replaced the stdlib's fork
+                        # server with its own); the env (PYTHONWARNINGS above) is frozen now.
+                        try:
+                            await trio.to_thread.run_sync(
+                                _ensure_forkserver, list(FORKSERVER_PRELOAD)
+                            )
+                        except (OSError, EOFError) as exc:
+                            raise WorkerError(
+                                f"the fork server did not start: {exc!r}",
+                                error_type="ForkServerError",
+                            ) from exc
+                    elif start_method != "trio":
+                        log.warning(
+                            "worker_start_method=%r ignored: the application's tractor runtime "
+                            "spawns with %r",
+                            start_method,
+                            _spawn._spawn_method,
+                        )
                     with trio.CancelScope() as group_scope:
                         self._group_scope = group_scope
                         async with trio.open_nursery() as links:
@@ -337,7 +486,7 @@ class TractorExecutor(Executor):
                     for pid in pids:
                         waiters.start_soon(_wait_exited, pid)
         for link in self._links.values():
-            link.poll_exit_code()
+            await link.wait_exit_code(timeout=0.5)
 
     async def _serve_link(
         self,
@@ -361,6 +510,9 @@ class TractorExecutor(Executor):
                     world_size=self.config.num_workers,
                     dist_init_method=self._dist_init_method,
                     shm_tag=self._shm_tag(rank),
+                    # Under forkserver the worker's OS parent is the fork server: say who
+                    # the engine is, so the worker ends when this process dies.
+                    engine_pid=os.getpid(),
                 ) as (ctx, started),
                 ctx.open_stream() as stream,
             ):
@@ -369,6 +521,8 @@ class TractorExecutor(Executor):
                 pid = int(started["pid"])
                 link = _WorkerLink(rank, pid, send, now, last_progress_at=now)
                 link.process = self._find_process(actors, pid)
+                if isinstance(link.process, multiprocessing.process.BaseProcess):
+                    link.fork_server = _forkserver_pid()
                 self._links[rank] = link
                 if rank == 0:
                     self._ready_info = started["model_info"]
@@ -432,7 +586,7 @@ class TractorExecutor(Executor):
     async def _watch_pid(self, actors: Any, link: _WorkerLink) -> None:
         """Fail the group the moment the worker process exits (tractor would not notice)."""
         await _wait_exited(link.pid)
-        code = link.poll_exit_code()
+        code = await link.wait_exit_code()
         if self._closing:
             return
         self._fail_group(
@@ -445,7 +599,8 @@ class TractorExecutor(Executor):
 
     @staticmethod
     def _find_process(actors: Any, pid: int) -> Any:
-        # tractor keeps its trio.Process objects privately; best effort (exit statuses).
+        # tractor keeps its process objects privately (trio.Process or, for the forkserver
+        # method, multiprocessing.Process); best effort (exit statuses).
         for entry in getattr(actors, "_children", {}).values():
             proc = entry[1] if len(entry) > 1 else None
             if proc is not None and getattr(proc, "pid", None) == pid:

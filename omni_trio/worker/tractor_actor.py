@@ -1,7 +1,13 @@
 """The worker side of the tractor backend: one OS process per worker.
 
 This module is enabled in each worker sub-actor, and tractor imports it in the parent too, so
-its top level stays light (no torch): the model is loaded inside :func:`serve_worker`.
+its top level stays light (no torch): the model is loaded inside :func:`serve_worker`.  With
+the ``forkserver`` start method the fork server preloads it (and torch), so its import must
+also start no thread outside a worker.
+
+Every worker ends the moment the engine process dies (:func:`watch_parent_process`), armed as
+early as the start method allows: at import in a ``trio`` worker, by an after-fork hook in a
+``forkserver`` worker, and in any case by ``serve_worker(engine_pid=...)``.
 
 Protocol over one persistent ``open_context`` stream (bytes encoded by ``omni_trio.ipc``):
 
@@ -30,6 +36,7 @@ import select
 import sys
 import threading
 import traceback
+from multiprocessing import util as multiprocessing_util
 from typing import Any
 
 import tractor
@@ -45,22 +52,37 @@ WORKER_MODULE = __name__
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-def watch_parent_process() -> None:
-    """End this worker the moment the engine process that spawned it dies, so a SIGKILLed
-    engine never leaves a worker behind.
+# The engine process this worker watches (see :func:`watch_parent_process`), once armed.
+_watched_engine: int | None = None
+
+
+def watch_parent_process(engine_pid: int | None = None) -> None:
+    """End this worker the moment the engine process that started it dies, so a SIGKILLed
+    engine never leaves a worker behind.  ``engine_pid`` defaults to the OS parent, which is
+    the engine only with tractor's ``trio`` start method: a ``forkserver`` worker is a child
+    of the fork server, so the engine passes its pid explicitly (``serve_worker``'s
+    ``engine_pid``).  Idempotent: the first call arms the watch, later ones do nothing.
 
     ``PR_SET_PDEATHSIG`` cannot be used: the kernel ties it to the parent *thread*, and trio
     spawns processes from its cached helper threads, which retire after 10 s idle (the worker
-    would be killed then).  Instead a daemon thread of this process waits on a pidfd of the
-    parent process and calls ``os._exit`` when it becomes readable (the parent exited).
+    would be killed then); under forkserver the parent is not even the engine.  Instead a
+    daemon thread of this process waits on a pidfd of the engine process and calls
+    ``os._exit`` when it becomes readable (the engine exited).  A pidfd works for any pid,
+    not only the parent's.
     """
-    parent = os.getppid()
-    if parent == 1:  # already orphaned
+    global _watched_engine
+    if _watched_engine is not None:
+        return
+    pid = os.getppid() if engine_pid is None else engine_pid
+    if pid == 1:  # already orphaned
         os._exit(1)
     try:
-        fd = os.pidfd_open(parent)
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # the engine is already gone
+        os._exit(1)
     except (AttributeError, OSError):  # pragma: no cover - not Linux >= 5.3
         return
+    _watched_engine = pid
 
     def wait_for_parent() -> None:
         poller = select.poll()
@@ -73,16 +95,60 @@ def watch_parent_process() -> None:
 
 
 def _in_worker_process() -> bool:
-    # tractor runs each sub-actor as ``python -m tractor._child --uid .. --parent_addr ..``
-    # (and then swaps ``__main__`` for the parent's); the parent imports this module too,
-    # before its runtime says it is the root, and must not watch its own parent.
+    """This process is a worker sub-actor started with tractor's ``trio`` method.
+
+    tractor runs each such sub-actor as ``python -m tractor._child --uid .. --parent_addr ..``
+    (and then swaps ``__main__`` for the parent's); the parent imports this module too,
+    before its runtime says it is the root, and must not watch its own parent.  (A
+    ``forkserver`` worker has the engine's argv and the fork server as its OS parent: it is
+    armed by :func:`_arm_forked_worker` and by ``serve_worker`` instead.)
+    """
     return "--parent_addr" in sys.argv and sys.argv[0].endswith(
         os.path.join("tractor", "_child.py")
     )
 
 
+def _engine_pid_of_forked_worker() -> int | None:
+    """In a process that ``multiprocessing`` (tractor's ``forkserver`` method) is starting
+    as a tractor actor serving this module: the pid of the process that created it (the
+    engine; pickled with the process object), else None."""
+    import multiprocessing
+
+    process = multiprocessing.current_process()
+    target = getattr(process, "_target", None)
+    args = getattr(process, "_args", ())
+    if getattr(target, "__qualname__", None) != "_mp_main" or not args:
+        return None
+    if getattr(target, "__module__", None) != "tractor._entry":
+        return None
+    if WORKER_MODULE not in (getattr(args[0], "enable_modules", None) or ()):
+        return None
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None else None
+
+
+def _arm_forked_worker(_: object) -> None:
+    """``multiprocessing`` after-fork hook: a forkserver child that is about to become one
+    of our workers watches the engine from its first instant, before tractor's runtime (or
+    ``serve_worker``) runs.  Registered where this module is imported; it matters in the
+    fork server, which preloads this module, and does nothing in any other child."""
+    pid = _engine_pid_of_forked_worker()
+    if pid is not None:
+        watch_parent_process(pid)
+
+
+class _AfterForkToken:
+    """A weak-referenceable owner for the after-fork hook (multiprocessing keeps it weakly)."""
+
+
+_AFTER_FORK_TOKEN = _AfterForkToken()
+multiprocessing_util.register_after_fork(_AFTER_FORK_TOKEN, _arm_forked_worker)
+
 if _in_worker_process():
     watch_parent_process()
+else:
+    # A forkserver worker whose fork server did not preload this module imports it here.
+    _arm_forked_worker(None)
 
 
 @tractor.context
@@ -93,12 +159,15 @@ async def serve_worker(
     world_size: int,
     dist_init_method: str | None = None,
     shm_tag: str = "",
+    engine_pid: int | None = None,
 ) -> None:
     """Load the model, report ready (pid, rank, model info), then serve calls until the
     stream ends or the context is cancelled; the worker is shut down on the way out.
 
     Shared-memory segments this worker creates are named with ``shm_tag``, so the executor
-    can sweep them if the worker dies before their receiver unlinked them.
+    can sweep them if the worker dies before their receiver unlinked them.  ``engine_pid``
+    is the engine's process: this worker ends when it dies (None: the OS parent, right only
+    for tractor's ``trio`` start method).
     """
     import functools
     from dataclasses import asdict
@@ -109,6 +178,8 @@ async def serve_worker(
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
     from .worker import Worker
 
+    # First of all: never outlive the engine (a no-op where the watch is already armed).
+    watch_parent_process(engine_pid)
     mark_worker_process()  # injected crash faults end this process, not just a call
     engine_config = EngineConfig.from_dict(config)
     thread = WorkerThread(f"omni-trio-worker-{rank}", stall_timeout_s=engine_config.close_timeout_s)

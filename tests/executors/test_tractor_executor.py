@@ -14,9 +14,15 @@ A forward that kept running would add its remaining steps and hold the worker fo
 
 Every test is capped with ``trio.fail_after`` and must leave no worker process: besides the
 autouse leak check of ``tests/conftest.py`` (threads, shared memory), :func:`_no_worker_processes`
-fails a test that leaves a ``tractor._child`` process (or any unreaped child) of this process,
-and :func:`engine_on` checks right after each engine closed that its worker pids are gone.
+fails a test that leaves a worker process descended from this one (a ``tractor._child``
+process, a child of a fork server, or any unreaped child), and :func:`engine_on` checks right
+after each engine closed that its worker pids are gone.
 Cross-process waits poll (the worker's progress reaches us only by heartbeat, once a second).
+
+Worker start methods: the ``backend`` fixture's ``"tractor-forkserver"`` runs the core
+behaviours with ``worker_start_method="forkserver"``; the death and killed-root tests take a
+``start_method`` parameter.  ``OMNI_TRIO_TEST_WORKER_START_METHOD=forkserver`` makes every
+other tractor engine of these files use forkserver too.
 """
 
 from __future__ import annotations
@@ -113,23 +119,85 @@ def _running(pid: int) -> bool:
     return stat is not None and stat[0] != "Z"
 
 
-def _worker_children() -> set[int]:
-    """Children of this process that are tractor workers, or unreaped (zombie) children."""
-    me = os.getpid()
-    found: set[int] = set()
+FORKSERVER_CMDLINE = b"tractor._forkserver_override"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """pid -> (state, ppid) of every process now."""
+    found: dict[int, tuple[str, int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(int(entry.name))
-        if stat is None or stat[1] != me:
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat[0] == "Z" or b"tractor._child" in cmdline:
-            found.add(int(entry.name))
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                found[int(entry.name)] = stat
     return found
+
+
+def _descendants(root: int, table: dict[int, tuple[str, int]]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _fork_servers(root: int) -> set[int]:
+    """Fork servers (tractor's patched stdlib one) among the descendants of ``root``."""
+    return {pid for pid in _descendants(root, _processes()) if _is_fork_server(pid)}
+
+
+def _is_fork_server(pid: int) -> bool:
+    """A fork server runs ``-c 'from tractor._forkserver_override import main; ...'``; the
+    workers it forks keep that command line, so: that command line, a different parent."""
+    stat = _stat(pid)
+    return (
+        stat is not None
+        and FORKSERVER_CMDLINE in _cmdline(pid)
+        and FORKSERVER_CMDLINE not in _cmdline(stat[1])
+    )
+
+
+def _worker_children() -> set[int]:
+    """Worker processes descended from this process, or unreaped (zombie) children of it.
+
+    A worker is a ``tractor._child`` process (start method ``trio``: our child) or a child
+    of a fork server (``forkserver``: the fork server's child, our grandchild).  The fork
+    server itself is not a worker: it is the stdlib's, started by the first forkserver
+    engine and kept for the life of this process (it ends when this process does, see
+    :func:`test_the_fork_server_ends_with_the_engine_process`); neither is multiprocessing's
+    resource tracker.
+    """
+    me = os.getpid()
+    table = _processes()
+    found: set[int] = set()
+    for pid in _descendants(me, table):
+        state, ppid = table[pid]
+        zombie = ppid == me and state == "Z"
+        trio_worker = b"tractor._child" in _cmdline(pid)
+        forked_worker = FORKSERVER_CMDLINE in _cmdline(pid) and FORKSERVER_CMDLINE in _cmdline(ppid)
+        if zombie or trio_worker or forked_worker:
+            found.add(pid)
+    return found
+
+
+def _threads_and_shm(pid: int) -> tuple[int, list[str]]:
+    """(threads of ``pid``, its mappings of files in /dev/shm)."""
+    threads = len(list(Path(f"/proc/{pid}/task").iterdir()))
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return threads, [line for line in maps if "/dev/shm" in line]
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +229,12 @@ async def wait_until_gone(pids: Iterable[int], *, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["inproc", "tractor"])
+# The start method of a tractor engine whose test does not choose one.
+DEFAULT_START_METHOD = os.environ.get("OMNI_TRIO_TEST_WORKER_START_METHOD", "trio")
+START_METHODS = ["trio", "forkserver"]
+
+
+@pytest.fixture(params=["inproc", "tractor", "tractor-forkserver"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -175,7 +248,13 @@ def worker_pids(engine: AsyncEngine) -> list[int]:
 
 @asynccontextmanager
 async def engine_on(backend: str, cache_dir: Path, **overrides: Any) -> AsyncIterator[AsyncEngine]:
-    """An echo engine; on the way out (normal exit), checks its worker processes are gone."""
+    """An echo engine; on the way out (normal exit), checks its worker processes are gone.
+    ``backend="tractor-forkserver"``: tractor with ``worker_start_method="forkserver"``."""
+    if backend == "tractor-forkserver":
+        backend = "tractor"
+        overrides.setdefault("worker_start_method", "forkserver")
+    if backend == "tractor":
+        overrides.setdefault("worker_start_method", DEFAULT_START_METHOD)
     overrides.setdefault("torch_threads", 1)
     overrides.setdefault("warmup", False)
     # The process layer is under test here: every worker is a full replica (CFG parallelism
@@ -511,13 +590,18 @@ async def test_a_worker_killed_mid_forward_fails_every_request_at_once(cache_dir
         assert executor.worker_exit_codes() == {0: 0, 1: -signal.SIGKILL}
 
 
+@pytest.mark.parametrize("start_method", START_METHODS)
 @pytest.mark.parametrize("signame", ["SIGKILL", "SIGTERM"])
 async def test_a_worker_that_dies_while_idle_kills_the_engine(
-    cache_dir: Path, signame: str
+    cache_dir: Path, signame: str, start_method: str
 ) -> None:
+    """The exit status is reported either way: a ``trio`` worker is our child (waitpid); a
+    ``forkserver`` worker is the fork server's, which reports its status to tractor."""
     sig = signal.Signals[signame]
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, **UNSUPERVISED) as engine:
+        async with engine_on(
+            "tractor", cache_dir, worker_start_method=start_method, **UNSUPERVISED
+        ) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             [pid] = executor.worker_pids().values()
@@ -538,13 +622,18 @@ async def test_a_worker_that_dies_while_idle_kills_the_engine(
             assert executor.worker_exit_codes() == {0: -sig}
 
 
-async def test_close_terminates_a_worker_that_does_not_stop_in_time(cache_dir: Path) -> None:
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_close_terminates_a_worker_that_does_not_stop_in_time(
+    cache_dir: Path, start_method: str
+) -> None:
     """Shutdown escalates: a forward stuck inside one step (a 30 s step stands for a hung
     kernel; stop flags are only read between steps) is asked to stop, given
     ``close_timeout_s``, then its process is terminated."""
     budget = 1.0
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, close_timeout_s=budget) as engine:
+        async with engine_on(
+            "tractor", cache_dir, close_timeout_s=budget, worker_start_method=start_method
+        ) as engine:
             stream = engine.stream("p", params(2, delay=30.0), request_id="stuck")
             await wait_running(engine, "stuck")
             started = trio.current_time()
@@ -571,7 +660,7 @@ import sys
 import trio
 
 
-async def main(cache_dir: str) -> None:
+async def main(cache_dir: str, start_method: str, then: str) -> None:
     from omni_trio import open_engine
 
     async with open_engine(
@@ -582,34 +671,40 @@ async def main(cache_dir: str) -> None:
         warmup=False,
         torch_threads=1,
         cache_dir=cache_dir,
+        worker_start_method=start_method,
     ) as engine:
         pids = sorted(engine.executor.worker_pids().values())
         print(json.dumps({"root": os.getpid(), "workers": pids}), flush=True)
+        if then == "exit":  # a normal exit, once stdin closes
+            await trio.to_thread.run_sync(sys.stdin.read)
+            return
         await trio.sleep_forever()
 
 
 # tractor re-runs this module in every worker: entry logic stays under the guard.
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1])
+    trio.run(main, *sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
-async def test_no_worker_outlives_a_killed_root(
-    tmp_path: Path, cache_dir: Path, signame: str
-) -> None:
-    """Only the root's pid is signalled (plain ``kill``, systemd ``KillMode=process``).
-    SIGTERM: the executor stops its workers gracefully, then the root dies of the SIGTERM.
-    SIGKILL: each worker's parent-process watch takes it down with the root."""
-    sig = signal.Signals[signame]
+@asynccontextmanager
+async def root_process(
+    tmp_path: Path, cache_dir: Path, start_method: str, then: str = "sleep"
+) -> AsyncIterator[tuple[trio.Process, dict[str, Any], Path]]:
+    """An engine in a process of its own (ROOT_SCRIPT): yields the process, its first line
+    (``{"root": pid, "workers": [pids]}``) and its stderr file.  Anything left is killed."""
     script = tmp_path / "root.py"
     script.write_text(textwrap.dedent(ROOT_SCRIPT))
     stderr = tmp_path / "stderr.txt"
-    with trio.fail_after(CAP_S), stderr.open("wb") as err:
+    with stderr.open("wb") as err:
         proc = await trio.lowlevel.open_process(
-            [sys.executable, str(script), str(cache_dir)], stdout=subprocess.PIPE, stderr=err
+            [sys.executable, str(script), str(cache_dir), start_method, then],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
         )
-        workers: list[int] = []
+        info: dict[str, Any] = {"workers": []}
+        others: set[int] = set()
         try:
             assert proc.stdout is not None
             line = b""
@@ -618,27 +713,83 @@ async def test_no_worker_outlives_a_killed_root(
                 assert chunk, f"root exited early: {stderr.read_text()[-2000:]}"
                 line += chunk
             info = json.loads(line)
-            workers = info["workers"]
-            assert info["root"] == proc.pid and len(workers) == 2
-            for pid in workers:
-                stat = _stat(pid)
-                assert stat is not None and stat[1] == proc.pid  # the root's own children
-            os.kill(proc.pid, sig)
-            with trio.fail_after(5.0):
-                assert await proc.wait() == -sig
-            await wait_until_gone(workers, timeout=5.0)
-            if sig is signal.SIGTERM:
-                assert "SIGTERM: stopping the worker processes" in stderr.read_text()
+            assert info["root"] == proc.pid and len(info["workers"]) == 2
+            others = _descendants(proc.pid, _processes()) - set(info["workers"])
+            yield proc, info, stderr
         finally:
             if proc.returncode is None:
                 proc.kill()
                 with trio.CancelScope(shield=True):
                     await proc.wait()
-            for pid in workers:
+            for pid in [*info["workers"], *others]:
                 if _running(pid):
                     os.kill(pid, signal.SIGKILL)
-            if proc.stdout is not None:
-                await proc.stdout.aclose()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    await stream.aclose()
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+async def test_no_worker_outlives_a_killed_root(
+    tmp_path: Path, cache_dir: Path, signame: str, start_method: str
+) -> None:
+    """Only the root's pid is signalled (plain ``kill``, systemd ``KillMode=process``).
+    SIGTERM: the executor stops its workers gracefully, then the root dies of the SIGTERM.
+    SIGKILL: each worker's watch of the engine's pid takes it down with the root.  With
+    ``forkserver`` the workers are children of the fork server, not of the root, and the
+    fork server (the root's child) goes too, once the root and its workers are gone."""
+    sig = signal.Signals[signame]
+    with trio.fail_after(CAP_S):
+        async with root_process(tmp_path, cache_dir, start_method) as (proc, info, stderr):
+            workers = info["workers"]
+            servers = _fork_servers(proc.pid)
+            for pid in workers:
+                stat = _stat(pid)
+                assert stat is not None
+                if start_method == "trio":
+                    assert stat[1] == proc.pid  # the root's own children
+                else:
+                    assert servers == {stat[1]}  # the fork server's children
+            assert len(servers) == (1 if start_method == "forkserver" else 0)
+            assert all(_stat(server)[1] == proc.pid for server in servers)  # type: ignore[index]
+            os.kill(proc.pid, sig)
+            with trio.fail_after(5.0):
+                assert await proc.wait() == -sig
+            await wait_until_gone(workers, timeout=5.0)
+            await wait_until_gone(servers, timeout=5.0)
+            if sig is signal.SIGTERM:
+                assert "SIGTERM: stopping the worker processes" in stderr.read_text()
+
+
+async def test_the_fork_server_ends_with_the_engine_process(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The fork server is the stdlib's: one per process, kept while the process lives (for
+    every later restart), single-threaded, holding no shared memory of ours; it ends when
+    the process that started it exits (it reads EOF on the pipe every client holds)."""
+    with trio.fail_after(CAP_S):
+        async with root_process(tmp_path, cache_dir, "forkserver", then="exit") as (
+            proc,
+            info,
+            _,
+        ):
+            [server] = _fork_servers(proc.pid)
+            assert _threads_and_shm(server) == (1, [])
+            assert proc.stdin is not None
+            await proc.stdin.aclose()  # the root closes its engine and exits normally
+            with trio.fail_after(10.0):
+                assert await proc.wait() == 0
+            await wait_until_gone([server, *info["workers"]], timeout=5.0)
+
+
+def test_worker_start_method_is_validated() -> None:
+    assert EngineConfig().worker_start_method == "trio"
+    assert EngineConfig(worker_start_method="forkserver").worker_start_method == "forkserver"
+    for bad in ("fork", "spawn", "", None, 1):
+        with pytest.raises(InvalidConfigError, match="worker_start_method") as info:
+            EngineConfig(worker_start_method=bad)  # type: ignore[arg-type]
+        assert info.value.field == "worker_start_method"
 
 
 # ---------------------------------------------------------------------------------------
@@ -675,7 +826,10 @@ async def test_engines_in_one_process_each_get_their_own_runtime(cache_dir: Path
     assert not set(pids_a) & set(pids_b)
 
 
-async def test_two_workers_run_cfg_parallel_and_match_one_worker(cache_dir: Path) -> None:
+@pytest.mark.parametrize("start_method", START_METHODS)
+async def test_two_workers_run_cfg_parallel_and_match_one_worker(
+    cache_dir: Path, start_method: str
+) -> None:
     """tiny-sd with guidance on 2 tractor workers: each rank computes one CFG branch per step
     (exchanged over gloo) and the image equals the inproc single-worker one within 1e-4."""
     sampling = SamplingParams(
@@ -691,7 +845,12 @@ async def test_two_workers_run_cfg_parallel_and_match_one_worker(cache_dir: Path
         async with engine_on("inproc", cache_dir, model="builtin:tiny-sd") as engine:
             alone = await engine.generate("a red circle", sampling, request_id="alone")
         async with engine_on(
-            "tractor", cache_dir, model="builtin:tiny-sd", num_workers=2, cfg_parallel=True
+            "tractor",
+            cache_dir,
+            model="builtin:tiny-sd",
+            num_workers=2,
+            cfg_parallel=True,
+            worker_start_method=start_method,
         ) as engine:
             described = await engine.collective_rpc("describe", unique_reply_rank=None)
             split = await engine.generate("a red circle", sampling, request_id="split")
@@ -699,14 +858,21 @@ async def test_two_workers_run_cfg_parallel_and_match_one_worker(cache_dir: Path
     assert np.abs(alone.images[0] - split.images[0]).max() <= 1e-4
 
 
+@pytest.mark.parametrize("start_method", START_METHODS)
 async def test_async_outputs_over_tractor_move_large_images_through_shared_memory(
-    cache_dir: Path,
+    cache_dir: Path, start_method: str
 ) -> None:
     """Request mode with async output: rank 0's packer sends OUTPUT_READY on its stream; a
     12 MB output travels as a shared-memory segment that the executor unlinks on receipt."""
     big = SamplingParams(height=1024, width=1024, num_inference_steps=1, seed=1, output_type="np")
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, async_output=True, max_num_seqs=2) as engine:
+        async with engine_on(
+            "tractor",
+            cache_dir,
+            async_output=True,
+            max_num_seqs=2,
+            worker_start_method=start_method,
+        ) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor) and executor._pump is not None
             out = await engine.generate("p", big, request_id="big")
@@ -749,13 +915,16 @@ async def test_a_worker_killed_while_outputs_are_in_flight_leaves_no_shared_memo
     assert list_our_segments() == []
 
 
+@pytest.mark.parametrize("start_method", START_METHODS)
 async def test_a_worker_that_exits_mid_forward_is_reported_with_its_exit_code(
-    cache_dir: Path,
+    cache_dir: Path, start_method: str
 ) -> None:
     """``os._exit`` inside the worker (echo's crash injection) during a forward."""
     crash = params(4, seed=1, extra_args={ECHO_EXIT_AT_STEP: 2})
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, **UNSUPERVISED) as engine:
+        async with engine_on(
+            "tractor", cache_dir, worker_start_method=start_method, **UNSUPERVISED
+        ) as engine:
             executor = engine.executor
             assert isinstance(executor, TractorExecutor)
             pid = executor.worker_pids()[0]
