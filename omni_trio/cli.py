@@ -292,8 +292,9 @@ def _warn(message: str) -> None:
 # -- errors ----------------------------------------------------------------------------------
 
 
-def _walk(exc: BaseException) -> list[BaseException]:
-    """``exc``, the members of exception groups inside it and its cause chain, depth first."""
+def _walk(exc: BaseException, *, contexts: bool = False) -> list[BaseException]:
+    """``exc``, the members of exception groups inside it and its cause chain (and, with
+    ``contexts``, the exceptions it was raised while handling), depth first."""
     seen: set[int] = set()
     order: list[BaseException] = []
     stack = [exc]
@@ -308,6 +309,8 @@ def _walk(exc: BaseException) -> list[BaseException]:
             children.extend(current.exceptions)
         if current.__cause__ is not None:
             children.append(current.__cause__)
+        if contexts and current.__context__ is not None:
+            children.append(current.__context__)
         stack.extend(reversed(children))
     return order
 

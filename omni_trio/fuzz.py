@@ -699,23 +699,9 @@ def _keeping_trace(
 
 def _chain(exc: BaseException) -> list[BaseException]:
     """``exc``, the members of groups in it, and its causes and contexts, depth first."""
-    seen: set[int] = set()
-    order: list[BaseException] = []
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        order.append(current)
-        children: list[BaseException] = []
-        if isinstance(current, BaseExceptionGroup):
-            children.extend(current.exceptions)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                children.append(linked)
-        stack.extend(reversed(children))
-    return order
+    from .cli import _walk
+
+    return _walk(exc, contexts=True)
 
 
 def _notes(exc: BaseException) -> list[str]:

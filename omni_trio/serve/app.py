@@ -699,6 +699,25 @@ class ImagesApp:
                     {"type": "image_generation.progress", "id": rid, "step": step, "total": total},
                 )
 
+        async def emit_images(kind: str, images: Any, **extra: Any) -> None:
+            """One SSE event per image: ``kind`` with the image and the shared fields."""
+            encoded = await self._encode_all(images, parsed)
+            created = int(time.time())
+            for image_index, (image, blob) in enumerate(zip(images, encoded, strict=True)):
+                event = {
+                    "type": kind,
+                    "b64_json": encode_b64(blob),
+                    "image_index": image_index,
+                    "created_at": created,
+                    "size": image_size(image),
+                    "output_format": parsed.output_format,
+                    "quality": "auto",
+                    "background": "auto",
+                    "id": rid,
+                }
+                event.update(extra)
+                await emit(kind, event)
+
         async def on_chunk(output: DiffusionOutput) -> None:
             nonlocal targets, partial_index
             await progress((output.chunk_index + 1, output.total_chunks))
@@ -706,24 +725,11 @@ class ImagesApp:
                 targets = _partial_targets(output.total_chunks - 1, parsed.partial_images)
             if output.chunk_index not in targets or not output.images:
                 return
-            encoded = await self._encode_all(output.images, parsed)
-            created = int(time.time())
-            for image_index, (image, blob) in enumerate(zip(output.images, encoded, strict=True)):
-                await emit(
-                    "image_generation.partial_image",
-                    {
-                        "type": "image_generation.partial_image",
-                        "b64_json": encode_b64(blob),
-                        "partial_image_index": partial_index,
-                        "image_index": image_index,
-                        "created_at": created,
-                        "size": image_size(image),
-                        "output_format": parsed.output_format,
-                        "quality": "auto",
-                        "background": "auto",
-                        "id": rid,
-                    },
-                )
+            await emit_images(
+                "image_generation.partial_image",
+                output.images,
+                partial_image_index=partial_index,
+            )
             partial_index += 1
 
         final = await self._follow(ex, submission, parsed, receive, on_chunk, progress)
@@ -739,27 +745,9 @@ class ImagesApp:
             await emit("error", {"type": "error", **err.body()})
             await self._end(send)
             return
-        encoded = await self._encode_all(final.images, parsed)
-        created = int(time.time())
-        for image_index, (image, blob) in enumerate(zip(final.images, encoded, strict=True)):
-            await emit(
-                "image_generation.completed",
-                {
-                    "type": "image_generation.completed",
-                    "b64_json": encode_b64(blob),
-                    "image_index": image_index,
-                    "created_at": created,
-                    "size": image_size(image),
-                    "output_format": parsed.output_format,
-                    "quality": "auto",
-                    "background": "auto",
-                    "usage": None,
-                    "id": rid,
-                    "seed": final.seed,
-                },
-            )
+        await emit_images("image_generation.completed", final.images, usage=None, seed=final.seed)
         total_ms = (time.perf_counter() - ex.start) * 1000.0
-        self.metrics.observe_generation(final.metrics, total_ms, len(encoded))
+        self.metrics.observe_generation(final.metrics, total_ms, len(final.images))
         await self._end(send)
 
     # -- responses -------------------------------------------------------------------------
