@@ -217,6 +217,7 @@ class AsyncEngine:
         self._closed = False
         self._close_done = trio.Event()
         self._dead: BaseException | None = None
+        self._ended = trio.Event()  # set when the engine died or closed
         self._admitted = 0
         # Supervision: the current worker group, its generation (1 = the first group), and
         # the generation whose failure the loop has already recovered from.
@@ -1113,6 +1114,11 @@ class AsyncEngine:
             last_failure=self._last_failure,
         )
 
+    async def wait_ended(self) -> None:
+        """Return once the engine has died or been closed (at once if it already has).
+        Cancelling the wait is harmless.  A supervisor of engines waits here."""
+        await self._ended.wait()
+
     @property
     def is_closed(self) -> bool:
         return self._closed
@@ -1201,6 +1207,7 @@ class AsyncEngine:
         if self._dead is not None or self._closed:
             return
         self._dead = exc
+        self._ended.set()
         self._group_state = "failed"
         self._record(_K.DEAD, detail={"error": f"{type(exc).__name__}: {exc}"})
         self._terminate_all(
@@ -1221,6 +1228,7 @@ class AsyncEngine:
                 await self._close_done.wait()
             return
         self._closed = True
+        self._ended.set()
         self._record(_K.CLOSE)
         with trio.CancelScope(shield=True):
             try:

@@ -66,8 +66,6 @@ __all__ = [
 ]
 
 FINISHED_IDS_KEPT = 10_000
-# How often a replica checks whether its engine died (the engine has no "wait dead" hook).
-HEALTH_POLL_S = 0.5
 
 
 class QueueFullError(OmniTrioError):
@@ -228,7 +226,6 @@ class EnginePool:
         max_queue_len: int = 64,
         restart_policy: RestartPolicy | None = None,
         trace_factory: Callable[[int], TraceRecorder | None] | None = None,
-        health_poll_s: float = HEALTH_POLL_S,
     ) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise InvalidConfigError(
@@ -255,7 +252,6 @@ class EnginePool:
         self.max_queue_len = max_queue_len
         self.restart_policy = restart_policy or RestartPolicy()
         self._trace_factory = trace_factory
-        self._health_poll_s = health_poll_s
         self._replicas = [_Replica(i) for i in range(replicas)]
         # Invariant: an id is in _active exactly while its PooledStream is unreleased.
         self._active: dict[str, PooledStream] = {}
@@ -314,10 +310,7 @@ class EnginePool:
             replica.engine = engine
             try:
                 task_status.started(engine)
-                # Engines have no "wait until dead" hook; a cheap poll is enough here (only
-                # the reopen waits on it: routing and readiness read health() directly).
-                while not (engine.is_dead or engine.is_closed):  # noqa: ASYNC110
-                    await trio.sleep(self._health_poll_s)
+                await engine.wait_ended()
                 health = engine.health()
             finally:
                 replica.engine = None

@@ -340,3 +340,23 @@ def test_restart_limit_error_names_the_child_and_the_cause() -> None:
         "worker-group", restarts=5, max_restarts=5, window_s=60.0, last_error=cause
     )
     assert "worker-group" in str(error) and "gone" in str(error) and error.last_error is cause
+
+
+async def test_wait_ended_returns_when_the_engine_dies_or_closes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = CrashScript(crash_every_forward=True)
+    with trio.fail_after(CAP_S):
+        async with supervised_engine(script, max_worker_restarts=0) as engine:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.wait_ended)
+                with pytest.raises(EngineDeadError):
+                    await engine.generate("p", params(), request_id="r")
+            assert engine.is_dead
+            await engine.wait_ended()  # at once when already ended
+        async with supervised_engine(CrashScript()) as engine:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.wait_ended)
+                await trio.testing.wait_all_tasks_blocked()
+                await engine.aclose()
+            assert engine.is_closed and not engine.is_dead

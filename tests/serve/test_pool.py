@@ -228,7 +228,6 @@ async def test_a_dead_replica_is_reopened_and_the_others_are_not_disturbed() -> 
             echo_config(max_worker_restarts=0),
             replicas=2,
             restart_policy=RestartPolicy(max_restarts=3, backoff_s=0.0),
-            health_poll_s=0.02,
         )
         async with serving(pool):
             victim = pool.submit("a", LONG, request_id="victim")
@@ -273,7 +272,6 @@ async def test_past_the_restart_limit_serve_raises() -> None:
             echo_config(max_worker_restarts=0),
             replicas=2,
             restart_policy=RestartPolicy(max_restarts=0),
-            health_poll_s=0.02,
         )
         with pytest.raises(RestartLimitError) as info:
             async with trio.open_nursery() as nursery:
