@@ -299,11 +299,11 @@ class AsyncEngine:
         raise WorkerError(f"worker group failed: {reason!r}")  # pragma: no cover
 
     def _install(self, executor: Executor) -> None:
+        """A worker group started: make it the current one and wake the loop."""
         first = self._executor is None
-        if not first and executor.model_info is not None and self._executor is not None:
-            old = self._executor.model_info
-            if old is not None and old != executor.model_info:
-                log.warning("the restarted worker group reports different model info")
+        old = self._executor.model_info if self._executor is not None else None
+        if old is not None and executor.model_info not in (None, old):
+            log.warning("the restarted worker group reports different model info")
         self._executor = executor
         self._generation += 1
         self._group_state = "running"
