@@ -56,11 +56,11 @@ from .harness import (
     Report,
     Summary,
     csv_arg,
-    load_average,
     machine_info,
     pair_differences,
     pair_ratios,
     positive_ints_arg,
+    run_in_trio,
     run_interleaved_async,
 )
 
@@ -714,10 +714,4 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
 
 def run(args: argparse.Namespace, command: str) -> Report:
     report = Report(experiment="backends", command=command, columns=COLUMNS)
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    report.machine = machine_info(torch_threads=args.torch_threads)
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
-    return report
+    return run_in_trio(report, _main, args, torch_threads=args.torch_threads)

@@ -39,6 +39,7 @@ __all__ = [
     "pair_differences",
     "pair_ratios",
     "percentile",
+    "run_in_trio",
     "run_interleaved",
     "run_interleaved_async",
 ]
@@ -254,6 +255,27 @@ def machine_info(*, torch_threads: int | None = None, device: str | None = None)
     if env:
         info["env"] = env
     return info
+
+
+def run_in_trio(
+    report: Report,
+    main: Callable[[Any, Report], Awaitable[None]],
+    args: Any,
+    *,
+    torch_threads: int | None = None,
+) -> Report:
+    """Run ``main(args, report)`` in a fresh ``trio.run`` and complete ``report`` with the
+    machine (read *after* the run: torch's thread count is the worker's by then), the 1-minute
+    load average from *before* it, and the duration."""
+    import trio
+
+    started = time.perf_counter()
+    load_before = load_average()
+    trio.run(main, args, report)
+    report.machine = machine_info(torch_threads=torch_threads)
+    report.machine["load_average_1m"] = load_before
+    report.duration_s = time.perf_counter() - started
+    return report
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -28,8 +28,6 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
-import trio
-
 from .._core.request import SamplingParams
 from ..config import EngineConfig
 from ..runtime.engine import AsyncEngine, open_engine
@@ -39,11 +37,10 @@ from .harness import (
     Report,
     Summary,
     csv_arg,
-    load_average,
-    machine_info,
     pair_differences,
     pair_ratios,
     positive_ints_arg,
+    run_in_trio,
     run_interleaved_async,
 )
 
@@ -425,11 +422,4 @@ def run(args: argparse.Namespace, command: str) -> Report:
             "requests/s min / median / max",
         ],
     )
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    # After the run: torch's thread count is the engine worker's by then (sync_torch_threads).
-    report.machine = machine_info()
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
-    return report
+    return run_in_trio(report, _main, args)

@@ -41,7 +41,7 @@ from .._core.trace import TraceKind, TraceRecorder
 from ..config import WORKER_START_METHODS, EngineConfig
 from ..errors import EngineDeadError, RequestFailedError
 from ..runtime.engine import AsyncEngine, open_engine
-from .harness import Progress, Report, Summary, load_average, machine_info
+from .harness import Progress, Report, Summary, run_in_trio
 
 __all__ = ["add_arguments", "recovery_times", "run"]
 
@@ -359,10 +359,4 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
 
 def run(args: argparse.Namespace, command: str) -> Report:
     report = Report(experiment="recovery", command=command, columns=COLUMNS)
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    report.machine = machine_info(torch_threads=args.torch_threads)
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
-    return report
+    return run_in_trio(report, _main, args, torch_threads=args.torch_threads)

@@ -50,7 +50,6 @@ import math
 import os
 import random
 import sys
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -67,11 +66,10 @@ from .harness import (
     Progress,
     Report,
     Summary,
-    load_average,
-    machine_info,
     pair_differences,
     pair_ratios,
     positive_ints_arg,
+    run_in_trio,
     run_interleaved_async,
 )
 
@@ -721,10 +719,7 @@ def _note_breakdown(report: Report, load: str, entry: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace, command: str) -> Report:
     report = Report(experiment="serve", command=command, columns=COLUMNS)
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    report.machine = machine_info(torch_threads=report.params.get("torch_threads"))
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
+    run_in_trio(report, _main, args)
+    # The workers' thread count, as _main resolved it (the bench process's own may differ).
+    report.machine["torch_threads"] = report.params.get("torch_threads")
     return report

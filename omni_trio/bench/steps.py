@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
-
-import trio
 
 from .._core.request import SamplingParams
 from ..config import EngineConfig
@@ -37,11 +34,10 @@ from .harness import (
     Progress,
     Report,
     Summary,
-    load_average,
-    machine_info,
     pair_ratios,
     percentile,
     positive_ints_arg,
+    run_in_trio,
     run_interleaved_async,
 )
 
@@ -271,10 +267,4 @@ def _summarise(
 
 def run(args: argparse.Namespace, command: str) -> Report:
     report = Report(experiment="steps", command=command)
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    report.machine = machine_info(torch_threads=args.torch_threads)
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
-    return report
+    return run_in_trio(report, _main, args, torch_threads=args.torch_threads)

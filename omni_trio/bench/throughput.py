@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
-
-import trio
 
 from .._core.request import SamplingParams
 from ..config import EngineConfig
@@ -28,10 +25,9 @@ from .harness import (
     Progress,
     Report,
     Summary,
-    load_average,
-    machine_info,
     pair_ratios,
     positive_ints_arg,
+    run_in_trio,
     run_interleaved_async,
 )
 
@@ -216,10 +212,4 @@ def run(args: argparse.Namespace, command: str) -> Report:
             "failed",
         ],
     )
-    started = time.perf_counter()
-    load_before = load_average()
-    trio.run(_main, args, report)
-    report.machine = machine_info()
-    report.machine["load_average_1m"] = load_before
-    report.duration_s = time.perf_counter() - started
-    return report
+    return run_in_trio(report, _main, args)

@@ -22,6 +22,7 @@ from omni_trio.bench.harness import (
     pair_differences,
     pair_ratios,
     percentile,
+    run_in_trio,
     run_interleaved,
     run_interleaved_async,
 )
@@ -263,3 +264,17 @@ def test_python_dash_m_entry_has_the_same_experiments(capsys: pytest.CaptureFixt
     parser = argparse.ArgumentParser()
     configure_parser(parser)
     assert parser.parse_args(["scheduler"]).experiment == "scheduler"
+
+
+def test_run_in_trio_runs_the_experiment_and_records_machine_load_and_duration() -> None:
+    import trio
+
+    async def main(args: dict[str, int], report: Report) -> None:
+        await trio.lowlevel.checkpoint()
+        report.results["seen"] = args["x"]
+
+    report = Report(experiment="probe", command="omni-trio bench probe")
+    assert run_in_trio(report, main, {"x": 7}, torch_threads=3) is report
+    assert report.results == {"seen": 7}
+    assert report.machine["torch_threads"] == 3 and "load_average_1m" in report.machine
+    assert report.duration_s > 0
