@@ -12,13 +12,13 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,ray]'
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps tractor==0.1.0a5
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/omni-trio demo --out demo-grid.png
+	$(BIN)/omni-trio demo --model builtin:shapes --out demo-grid.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check omni_trio tests property_tests

@@ -134,6 +134,11 @@ class EngineConfig:
     # Accept fault-injection requests (``omni_trio.testing.faults``) in extra_args.  Off by
     # default: a production engine never lets a request crash its workers on purpose.
     fault_injection: bool = False
+    # ray backend: the cluster to join ("auto", "ray://host:10001", "host:6379"); None uses
+    # $RAY_ADDRESS, an already initialised Ray, or else starts a local Ray on 127.0.0.1.  A
+    # placement group for the workers must be ready within ray_placement_timeout_s.
+    ray_address: str | None = None
+    ray_placement_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -178,6 +183,14 @@ class EngineConfig:
                 f"got {self.worker_start_method!r}",
                 field="worker_start_method",
             )
+        if self.ray_address is not None and (
+            not isinstance(self.ray_address, str) or not self.ray_address.strip()
+        ):
+            raise InvalidConfigError(
+                f"ray_address must be a non-empty string or None, got {self.ray_address!r}",
+                field="ray_address",
+            )
+        _nonneg_float("ray_placement_timeout_s", self.ray_placement_timeout_s)
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise InvalidConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",

@@ -14,16 +14,22 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # A thread the runtime started gets this long to finish exiting after its owner closed.
 _THREAD_JOIN_S = 5.0
 _SHM = Path("/dev/shm")
+# Threads of session-long services the tests start (the local Ray's driver threads): they
+# live until the session ends, so no test owns them.
+_SESSION_THREADS: set[threading.Thread] = set()
 
 
 def _torch_one_thread() -> None:
@@ -66,6 +72,33 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("omni-trio-cache")
 
 
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray for the ``ray`` backend's tests, started once, by the first test that
+    needs it, and stopped at the end: 2 CPUs, no dashboard, its own short temp dir (Ray's
+    socket paths must fit in 107 bytes), every address on loopback.  Yields the ``ray``
+    module; engines reuse this initialised Ray."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from omni_trio.executors.ray_executor import import_ray
+
+    ray = import_ray()  # sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 first
+    temp_dir = tempfile.mkdtemp(prefix="omni-ray-", dir="/tmp")
+    before = set(threading.enumerate())
+    ray.init(
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        logging_level="WARNING",
+    )
+    _SESSION_THREADS.update(set(threading.enumerate()) - before)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     _torch_one_thread()
@@ -79,7 +112,10 @@ def _no_leaks() -> Iterator[None]:
     leaked = [
         t
         for t in threading.enumerate()
-        if t not in threads_before and t is not threading.main_thread() and t not in idle_cache
+        if t not in threads_before
+        and t is not threading.main_thread()
+        and t not in idle_cache
+        and t not in _SESSION_THREADS
     ]
     for thread in leaked:
         thread.join(_THREAD_JOIN_S)

@@ -25,13 +25,19 @@ from trio_typing import TaskStatus
 
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
-from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError
+from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, WorkerError
 from .result_pump import ResultPump, register_async_outputs
 
 if TYPE_CHECKING:
     from ..models import ModelInfo
 
-__all__ = ["Executor", "WorkerState", "open_executor", "resolve_executor_class"]
+__all__ = [
+    "Executor",
+    "WorkerState",
+    "open_executor",
+    "raise_rank_failures",
+    "resolve_executor_class",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +180,23 @@ class Executor(abc.ABC):
             raise EngineClosedError("executor is closed")
 
 
+def raise_rank_failures(method: str, replies: dict[int, dict[str, Any]]) -> None:
+    """Raise one :class:`WorkerError` naming every rank whose reply to ``method`` says it
+    failed (replies of the process backends: ``{"rank", "ok", "error", "error_type",
+    "traceback", ...}``), with the first failed rank's type and every traceback."""
+    failed = [r for r in replies.values() if not r.get("ok")]
+    if not failed:
+        return
+    first = failed[0]
+    detail = "; ".join(f"rank {r['rank']}: {r.get('error_type')}: {r.get('error')}" for r in failed)
+    raise WorkerError(
+        f"{method!r} failed on {len(failed)} rank(s): {detail}",
+        worker=first["rank"],
+        error_type=first.get("error_type"),
+        traceback_text="\n".join(r.get("traceback", "") for r in failed),
+    )
+
+
 def resolve_executor_class(backend: Any) -> type[Executor]:
     """Map ``EngineConfig.backend`` to an executor class."""
     if isinstance(backend, type):
@@ -187,9 +210,9 @@ def resolve_executor_class(backend: Any) -> type[Executor]:
 
         cls = TractorExecutor
     elif backend == "ray":
-        raise InvalidConfigError(
-            f"backend {backend!r} is not available in this version", field="backend"
-        )
+        from .ray_executor import RayExecutor
+
+        cls = RayExecutor
     elif isinstance(backend, str) and ":" in backend:
         module_name, _, attr = backend.partition(":")
         try:

@@ -50,7 +50,8 @@ from .._core.messages import AsyncOutput, BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ..ipc import SegmentRegistry
-from .base import Executor, WorkerState
+from ._process import wait_exited as _wait_exited
+from .base import Executor, WorkerState, raise_rank_failures
 from .result_pump import ResultPump
 
 __all__ = ["FORKSERVER_PRELOAD", "TractorExecutor"]
@@ -108,27 +109,6 @@ def _exit_status(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-async def _wait_exited(pid: int) -> None:
-    """Return once process ``pid`` has exited (reaped or not); at once if it is gone.
-
-    Linux: a pidfd turns readable when the process exits.  Elsewhere: poll."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except (AttributeError, OSError):  # pragma: no cover - no pidfd on this platform
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            await trio.sleep(0.05)
-    try:
-        await trio.lowlevel.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 # What the fork server imports once, so that no forked worker pays for it: torch, diffusers
@@ -730,21 +710,7 @@ class TractorExecutor(Executor):
             replies[rank] = waiter.reply
         return replies
 
-    @staticmethod
-    def _raise_failed(method: str, replies: dict[int, dict[str, Any]]) -> None:
-        failed = [r for r in replies.values() if not r.get("ok")]
-        if not failed:
-            return
-        first = failed[0]
-        detail = "; ".join(
-            f"rank {r['rank']}: {r.get('error_type')}: {r.get('error')}" for r in failed
-        )
-        raise WorkerError(
-            f"{method!r} failed on {len(failed)} rank(s): {detail}",
-            worker=first["rank"],
-            error_type=first.get("error_type"),
-            traceback_text="\n".join(r.get("traceback", "") for r in failed),
-        )
+    _raise_failed = staticmethod(raise_rank_failures)
 
     async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         try:

@@ -37,10 +37,16 @@ def test_resolve_import_path() -> None:
     assert resolve_executor_class("omni_trio.executors.inproc:InprocExecutor") is InprocExecutor
 
 
-def test_unavailable_backends_are_named() -> None:
-    with pytest.raises(InvalidConfigError, match="ray") as info:
-        resolve_executor_class("ray")
+def test_unknown_backends_are_named() -> None:
+    with pytest.raises(InvalidConfigError, match="'rya'") as info:
+        resolve_executor_class("rya")
     assert info.value.field == "backend"
+
+
+def test_resolve_ray_backend_without_importing_ray() -> None:
+    from omni_trio.executors.ray_executor import RayExecutor
+
+    assert resolve_executor_class("ray") is RayExecutor
 
 
 def test_resolve_tractor_backend() -> None:

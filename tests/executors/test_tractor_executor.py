@@ -1,9 +1,10 @@
 """The tractor backend (one worker process per rank) against the engine's contract.
 
-- The core engine behaviours run on ``inproc`` *and* ``tractor`` through the ``backend``
-  fixture: concurrent requests keep their identity, seeds reproduce, aborts (waiting,
-  running, consumer dropped) really stop the worker's compute, close ends pending requests,
-  RPCs run between batches, step mode runs a whole lifecycle.
+- The core engine behaviours run on ``inproc``, ``tractor`` and ``ray`` (against the local
+  Ray of the ``ray_cluster`` fixture) through the ``backend`` fixture: concurrent requests
+  keep their identity, seeds reproduce, aborts (waiting, running, consumer dropped) really
+  stop the worker's compute, close ends pending requests, RPCs run between batches, step
+  mode runs a whole lifecycle.
 - Then what only a multi-process group has: rank-aware replies and boxed per-rank errors, a
   model that fails to load in the worker, a worker killed mid-forward or while idle, the root
   process killed (no orphan may survive it), and one runtime per process.
@@ -59,6 +60,7 @@ from omni_trio import (
     open_engine,
 )
 from omni_trio.executors.inproc import InprocExecutor
+from omni_trio.executors.ray_executor import RayExecutor
 from omni_trio.executors.tractor_executor import TractorExecutor
 from omni_trio.ipc import list_our_segments
 from omni_trio.models.echo import (
@@ -234,14 +236,18 @@ DEFAULT_START_METHOD = os.environ.get("OMNI_TRIO_TEST_WORKER_START_METHOD", "tri
 START_METHODS = ["trio", "forkserver"]
 
 
-@pytest.fixture(params=["inproc", "tractor", "tractor-forkserver"])
+@pytest.fixture(
+    params=["inproc", "tractor", "tractor-forkserver", pytest.param("ray", marks=pytest.mark.slow)]
+)
 def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")  # a local Ray the engine joins
     return str(request.param)
 
 
 def worker_pids(engine: AsyncEngine) -> list[int]:
     executor = engine.executor
-    if isinstance(executor, TractorExecutor):
+    if isinstance(executor, TractorExecutor | RayExecutor):
         return sorted(executor.worker_pids().values())
     return []
 
@@ -263,7 +269,7 @@ async def engine_on(backend: str, cache_dir: Path, **overrides: Any) -> AsyncIte
     config = EngineConfig(backend=backend, cache_dir=str(cache_dir), **overrides)
     async with open_engine(config) as engine:
         pids = worker_pids(engine)
-        assert len(pids) == (config.num_workers if backend == "tractor" else 0)
+        assert len(pids) == (config.num_workers if backend in ("tractor", "ray") else 0)
         yield engine
     # Reaped, not just dead: close waits for its processes.
     assert not [pid for pid in pids if _exists(pid)], "close left worker processes"
@@ -277,7 +283,7 @@ async def worker_steps(engine: AsyncEngine) -> int:
     """
     await engine.collective_rpc("ping")
     executor = engine.executor
-    if isinstance(executor, TractorExecutor):
+    if isinstance(executor, TractorExecutor | RayExecutor):
         return executor.worker_steps()[0]
     assert isinstance(executor, InprocExecutor)
     worker = executor._worker
@@ -303,7 +309,7 @@ async def terminal(stream: Any) -> DiffusionOutput:
 
 
 # ---------------------------------------------------------------------------------------
-# The engine's core behaviours, on both backends.
+# The engine's core behaviours, on every backend.
 # ---------------------------------------------------------------------------------------
 
 
