@@ -135,11 +135,25 @@ def import_ray() -> Any:
     return ray
 
 
+def _is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``ray://host:port``) names a loopback host."""
+    import ipaddress
+
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def ensure_ray(address: str | None = None) -> Any:
     """Return the ``ray`` module with Ray initialised (blocking: seconds for a new local Ray).
 
     An initialised Ray is reused as it is.  Otherwise ``address`` (or ``$RAY_ADDRESS``) is
-    joined with ``ray.init(address=...)``.  With neither, a local single-node Ray is started
+    joined with ``ray.init(address=...)`` (on loopback when that address is a loopback one).
+    With neither, a local single-node Ray is started
     on 127.0.0.1 (``_node_ip_address``; Ray would otherwise pick the machine's network
     address for its own traffic), without a dashboard.  A Ray started here lives until this
     process exits (Ray stops it then) or ``ray.shutdown()``.
@@ -149,7 +163,11 @@ def ensure_ray(address: str | None = None) -> Any:
         return ray
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None:
-        ray.init(address=target, logging_level=logging.WARNING)
+        options: dict[str, Any] = {}
+        if _is_loopback_address(target):
+            # A cluster on this machine's loopback: this driver stays on loopback too.
+            options["_node_ip_address"] = "127.0.0.1"
+        ray.init(address=target, logging_level=logging.WARNING, **options)
     else:
         ray.init(
             _node_ip_address="127.0.0.1",

@@ -374,8 +374,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--backend",
         ("engine", "backend"),
-        "executor: inproc (threads) or tractor (worker processes)",
-        choices=("inproc", "tractor"),
+        "executor: inproc (threads), tractor (worker processes) or ray (Ray actors)",
+        choices=("inproc", "tractor", "ray"),
+    ),
+    Flag(
+        "--ray-address",
+        ("engine", "ray_address"),
+        "backend ray: the Ray cluster to join (default $RAY_ADDRESS, else a local Ray)",
+        metavar="ADDR",
     ),
     Flag("--workers", ("engine", "num_workers"), "workers per replica", type=int, metavar="N"),
     Flag(

@@ -20,7 +20,7 @@ Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
     DrainingError     the pool stopped admitting (shutdown drain) (HTTP 503)
     NotReadyError     no replica is open and healthy right now (HTTP 503)
 
-Multiple replicas need the ``inproc`` backend: tractor 0.1.0a5 allows one tractor runtime
+Multiple replicas need the ``inproc`` or ``ray`` backend: tractor 0.1.0a5 allows one tractor runtime
 (hence one tractor engine) per process, so ``replicas > 1`` with ``backend="tractor"`` is
 refused with :class:`~omni_trio.errors.InvalidConfigError`; run several daemons instead.
 """
@@ -243,8 +243,8 @@ class EnginePool:
             )
         if replicas > 1 and _refuses_replicas(engine_config.backend):
             raise InvalidConfigError(
-                "replicas > 1 needs the inproc backend: tractor allows only one tractor "
-                "engine per process; use backend='inproc' replicas, or run several daemons",
+                "replicas > 1 needs the inproc or ray backend: tractor allows only one tractor "
+                "engine per process; use inproc or ray replicas, or run several daemons",
                 field="replicas",
             )
         self.engine_config = engine_config

@@ -35,7 +35,7 @@ from omni_trio import (
     open_engine,
 )
 from omni_trio.executors.base import open_executor
-from omni_trio.executors.ray_executor import RayExecutor, actor_env
+from omni_trio.executors.ray_executor import RayExecutor, _is_loopback_address, actor_env
 from omni_trio.models.echo import decode_echo_image
 
 from .test_tractor_executor import (
@@ -102,6 +102,22 @@ def test_actor_env_forwards_our_settings_never_device_visibility_or_ranks() -> N
         "OMP_WAIT_POLICY": "PASSIVE",
     }
     assert actor_env({"OMP_WAIT_POLICY": "ACTIVE"}, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1:6379", True),
+        ("ray://127.0.0.1:10001", True),
+        ("localhost:6379", True),
+        ("[::1]:6379", True),
+        ("10.0.0.1:6379", False),
+        ("ray://head.example:10001", False),
+        ("auto", False),
+    ],
+)
+def test_a_loopback_cluster_address_is_recognised(address: str, loopback: bool) -> None:
+    assert _is_loopback_address(address) is loopback
 
 
 def test_importing_omni_trio_never_imports_ray() -> None:

@@ -454,7 +454,41 @@ def test_unknown_model_exits_2(start_daemon: Callable[..., Daemon]) -> None:
 def test_tractor_replicas_exit_2(start_daemon: Callable[..., Daemon]) -> None:
     daemon = start_daemon("--backend", "tractor", "--replicas", "2")
     assert daemon.wait_exit() == EXIT_CONFIG
-    assert "replicas > 1 needs the inproc backend" in daemon.stderr
+    assert "replicas > 1 needs the inproc or ray backend" in daemon.stderr
+
+
+@pytest.mark.slow
+def test_ray_replicas_join_the_given_cluster_and_serve(
+    start_daemon: Callable[..., Daemon], ray_cluster: Any
+) -> None:
+    """``--backend ray --ray-address``: the daemon joins the tests' local Ray (no Ray of its
+    own), two replicas each with their own actor serve requests, SIGTERM drains and exits 0
+    and the actors are gone from the cluster."""
+    from ray._private.state import actors
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    before = {key for key, a in actors().items() if a["State"] == "ALIVE"}
+    daemon = start_daemon(
+        "--backend", "ray", "--ray-address", address, "--replicas", "2", "--threads", "1"
+    )  # fmt: skip
+    daemon.wait_listening()
+    daemon.wait_ready()
+    with daemon.client() as client:
+        responses = [generate(client, 2, seed=i) for i in range(4)]
+    assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+    assert [r.json()["seed"] for r in responses] == [0, 1, 2, 3]
+    ours = [
+        a
+        for key, a in actors().items()
+        if key not in before and a["State"] == "ALIVE" and a["Name"].startswith("omni-trio-")
+    ]
+    assert len(ours) == 2  # one worker actor per replica, in the tests' cluster
+    assert {a["Address"]["IPAddress"] for a in ours} == {"127.0.0.1"}
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0, daemon.stderr
+    names = {a["Name"] for a in ours}
+    left = [a for a in actors().values() if a["Name"] in names and a["State"] != "DEAD"]
+    assert not left, left
 
 
 def test_port_in_use_exits_1(start_daemon: Callable[..., Daemon]) -> None:
