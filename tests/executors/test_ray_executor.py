@@ -34,9 +34,11 @@ from omni_trio import (
     WorkerError,
     open_engine,
 )
+from omni_trio._core.trace import TraceRecorder
 from omni_trio.executors.base import open_executor
 from omni_trio.executors.ray_executor import RayExecutor, _is_loopback_address, actor_env
 from omni_trio.models.echo import decode_echo_image
+from omni_trio.testing import Fault, FaultSpec, assert_trace_ok, with_faults
 
 from .test_tractor_executor import (
     CAP_S,
@@ -406,6 +408,39 @@ async def test_with_no_retry_left_a_killed_forward_ends_with_a_retryable_error(
     assert error.error_type == "WorkerFailedError" and error.retryable
     assert f"pid {pid}" in str(error)
     assert out.ok
+
+
+@pytest.mark.slow
+async def test_a_hung_actor_is_caught_by_the_stall_check_and_replaced(
+    ray_cluster: Any, cache_dir: Path
+) -> None:
+    """A forward stuck in the actor (an injected hang) makes no step progress: the heartbeat
+    (answered by the control group while the forward hangs) shows it, the group fails
+    closed with a StallError, the hung actor is killed and a new one serves.  The whole run
+    keeps the lifecycle invariants."""
+    trace = TraceRecorder()
+    hang = with_faults(params(4, seed=1), FaultSpec(Fault.HANG_AT_STEP, step=1))
+    config = EngineConfig(
+        backend="ray",
+        cache_dir=str(cache_dir),
+        warmup=False,
+        torch_threads=1,
+        fault_injection=True,
+        worker_stall_timeout_s=1.0,
+        max_retries_on_worker_failure=0,
+        worker_restart_backoff_s=0.0,
+    )
+    with trio.fail_after(CAP_S):
+        async with open_engine(config, trace=trace) as engine:
+            (pid,) = ray_executor(engine).worker_pids().values()
+            with pytest.raises(RequestFailedError, match="stalled") as info:
+                await engine.generate("p", hang, request_id="hung")
+            assert info.value.retryable
+            await poll_until(lambda: engine.health().healthy)
+            assert list(ray_executor(engine).worker_pids().values()) != [pid]
+            assert (await engine.generate("p", params(2, seed=3), request_id="next")).ok
+        await wait_until_gone([pid], timeout=10.0)
+    assert_trace_ok(trace.events)
 
 
 @pytest.mark.slow
