@@ -271,8 +271,10 @@ class RayExecutor(Executor):
             error = self._boxed(rank, futures[rank].exception(), what)
             self._fail_group(error)
             raise error
-        if self._dead_reason is not None:
+        if remaining:
+            # Woken by the group failing or closing, not by the calls: never block on them.
             self.check_health()
+            raise EngineClosedError("executor is closed")
         return {rank: future.result() for rank, future in futures.items()}
 
     def _boxed(self, rank: int, exc: BaseException | None, what: str) -> Exception:
