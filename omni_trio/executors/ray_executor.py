@@ -43,6 +43,8 @@ import logging
 import math
 import os
 import secrets
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,32 +150,66 @@ def _is_loopback_address(address: str) -> bool:
         return False
 
 
+# How often the thread that started Ray checks whether Ray is still initialised.
+_OWNER_POLL_S = 1.0
+_init_lock = threading.Lock()
+
+
+def _init_in_owner_thread(init: Any, ray: Any) -> None:
+    """Run ``init()`` (a ``ray.init`` call) in a thread that stays alive as long as Ray does.
+
+    Ray ties the processes a local start spawns (GCS, raylet) to the *thread* that started
+    them (``PR_SET_PDEATHSIG``): started from a short-lived thread, such as one of trio's
+    cached worker threads (retired after ~10 s idle), the whole local Ray dies with that
+    thread.  So the start happens in ``omni-trio-ray-owner``, a daemon thread that parks until
+    Ray is shut down (it checks once a second) and then ends.  Blocks until ``init()``
+    returned; re-raises what it raised."""
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def own() -> None:
+        try:
+            init()
+        except BaseException as exc:
+            failure.append(exc)
+            return
+        finally:
+            started.set()
+        while ray.is_initialized():
+            time.sleep(_OWNER_POLL_S)
+
+    threading.Thread(target=own, name="omni-trio-ray-owner", daemon=True).start()
+    started.wait()
+    if failure:
+        raise failure[0]
+
+
 def ensure_ray(address: str | None = None) -> Any:
-    """Return the ``ray`` module with Ray initialised (blocking: seconds for a new local Ray).
+    """Return the ``ray`` module with Ray initialised (blocking: seconds for a new local Ray;
+    call it from a thread, e.g. ``trio.to_thread.run_sync``).
 
     An initialised Ray is reused as it is.  Otherwise ``address`` (or ``$RAY_ADDRESS``) is
     joined with ``ray.init(address=...)`` (on loopback when that address is a loopback one).
-    With neither, a local single-node Ray is started
-    on 127.0.0.1 (``_node_ip_address``; Ray would otherwise pick the machine's network
-    address for its own traffic), without a dashboard.  A Ray started here lives until this
-    process exits (Ray stops it then) or ``ray.shutdown()``.
+    With neither, a local single-node Ray is started on 127.0.0.1 (``_node_ip_address``; Ray
+    would otherwise pick the machine's network address for its own traffic), without a
+    dashboard.  ``ray.init`` runs in a thread that lives as long as Ray does (see
+    :func:`_init_in_owner_thread`).  A Ray started here lives until this process exits (Ray
+    stops it then) or ``ray.shutdown()``.
     """
     ray = import_ray()
-    if ray.is_initialized():
-        return ray
-    target = address or os.environ.get("RAY_ADDRESS") or None
-    if target is not None:
-        options: dict[str, Any] = {}
-        if _is_loopback_address(target):
-            # A cluster on this machine's loopback: this driver stays on loopback too.
-            options["_node_ip_address"] = "127.0.0.1"
-        ray.init(address=target, logging_level=logging.WARNING, **options)
-    else:
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-        )
+    with _init_lock:
+        if ray.is_initialized():
+            return ray
+        target = address or os.environ.get("RAY_ADDRESS") or None
+        options: dict[str, Any] = {"logging_level": logging.WARNING}
+        if target is not None:
+            options["address"] = target
+            if _is_loopback_address(target):
+                # A cluster on this machine's loopback: this driver stays on loopback too.
+                options["_node_ip_address"] = "127.0.0.1"
+        else:
+            options.update(_node_ip_address="127.0.0.1", include_dashboard=False)
+        _init_in_owner_thread(lambda: ray.init(**options), ray)
     return ray
 
 

@@ -147,16 +147,23 @@ async def test_without_ray_the_backend_says_how_to_install_it(
 # -- a local Ray ------------------------------------------------------------------------------
 
 _LOCAL_RAY = """
-import json, os, sys
+import json, os, sys, threading
 import trio
+import trio._core._thread_cache
 from omni_trio import EngineConfig, SamplingParams, open_engine
+
+# trio retires an idle worker thread after 10 s; Ray's processes die with the thread that
+# started them.  Retire idle threads at once, so a Ray started from one would die right here.
+trio._core._thread_cache.IDLE_TIMEOUT = 0.05
 
 async def main():
     config = EngineConfig(backend="ray", warmup=False, torch_threads=1, cache_dir=sys.argv[1])
     async with open_engine(config) as engine:
         import ray
+        await trio.sleep(1.0)  # every trio worker thread is retired by now
         out = await engine.generate("p", SamplingParams(num_inference_steps=2, seed=5))
         context = ray.get_runtime_context()
+        owner = [t.name for t in threading.enumerate() if t.name == "omni-trio-ray-owner"]
         print(json.dumps({
             "ok": out.ok,
             "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
@@ -164,6 +171,8 @@ async def main():
             "gcs": context.gcs_address,
             "workers": list(engine.executor.worker_nodes().values()),
             "env": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+            "owner": owner,
+            "alive": ray.is_initialized() and all(n["Alive"] for n in ray.nodes()),
         }))
     ray.shutdown()
 
@@ -177,7 +186,9 @@ def test_a_local_ray_started_by_the_engine_stays_on_loopback(
     cache_dir: Path, tmp_path: Path
 ) -> None:
     """No Ray initialised, no address: the executor starts a local Ray whose node, GCS and
-    workers all report 127.0.0.1 (Ray would otherwise use the machine's network address)."""
+    workers all report 127.0.0.1 (Ray would otherwise use the machine's network address).
+    It is started from a thread that lives as long as Ray (Ray's processes die with the
+    thread that started them): it outlives every trio worker thread and serves after."""
     script = tmp_path / "local_ray.py"
     script.write_text(textwrap.dedent(_LOCAL_RAY))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -197,6 +208,8 @@ def test_a_local_ray_started_by_the_engine_stays_on_loopback(
     assert report["gcs"].startswith("127.0.0.1:")
     assert report["workers"] == ["127.0.0.1"]
     assert report["env"] == "0"
+    assert report["owner"] == ["omni-trio-ray-owner"] and report["alive"] is True
+    assert "still exist" not in done.stderr  # close found every actor process gone
 
 
 @pytest.mark.slow
