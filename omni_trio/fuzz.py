@@ -121,6 +121,7 @@ _STEP = re.compile(r"^(?:\w+(?:, \w+)* = )?state\b")
 _CAMPAIGN_FLAGS = {
     "backend": "--backend",
     "mode": "--mode",
+    "start_method": "--start-method",
     "duration": "--duration",
     "examples": "--examples",
     "steps": "--steps",
@@ -186,6 +187,13 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     campaign.add_argument(
         "--mode", choices=("request", "step"), default=None, help="execution mode (request)"
+    )
+    campaign.add_argument(
+        "--start-method",
+        choices=("trio", "forkserver"),
+        default=None,
+        help="tractor: how worker processes start (trio); forkserver restarts crashed "
+        "workers in ~0.2 s instead of seconds, so more examples fit in a budget",
     )
     campaign.add_argument(
         "--duration",
@@ -338,6 +346,8 @@ def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
     }
     if args.max_num_seqs is not None:
         fields["max_num_seqs"] = args.max_num_seqs
+    if args.start_method is not None:
+        fields["worker_start_method"] = args.start_method
     if args.no_faults:
         fields["faults"] = ()
     elif args.faults is not None:

@@ -21,7 +21,7 @@ import pytest
 
 from omni_trio import fuzz
 from omni_trio._core.trace import TraceEvent, TraceKind, TraceRecorder
-from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, build_parser, main
 from omni_trio.runtime.engine import WARMUP_REQUEST_ID
 from omni_trio.testing import machine
 from omni_trio.testing.invariants import Violation
@@ -203,6 +203,19 @@ def test_a_planted_bug_is_shrunk_to_a_few_steps(
     rules = [s for s in steps[1:-1] if "no_violation_so_far" not in s]
     # Shrunk to the one rule the fake objects to; an unshrunk example has six.
     assert len(rules) == 1 and ".submit(" in rules[0], steps
+
+
+def test_campaign_flags_make_the_machine_options() -> None:
+    def _parse(argv: list[str]) -> Any:
+        return build_parser().parse_args(["fuzz", *argv])
+
+    plan = fuzz._plan_from_args(
+        _parse(["--backend", "tractor", "--start-method", "forkserver", "--mode", "step"])
+    )
+    assert plan.options.backend == "tractor" and plan.options.mode == "step"
+    assert plan.options.worker_start_method == "forkserver"
+    assert machine.engine_config_for(plan.options).worker_start_method == "forkserver"
+    assert fuzz._plan_from_args(_parse([])).options.worker_start_method == "trio"
 
 
 # -- how a campaign is cut into Hypothesis runs, and the database key --------------------------

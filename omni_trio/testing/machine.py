@@ -87,6 +87,8 @@ class MachineOptions:
     crash_rule: bool = True
     close_rule: bool = True
     cache_dir: str | None = None
+    # tractor: how worker processes start ("trio" or "forkserver", see EngineConfig).
+    worker_start_method: str = "trio"
     # Every consumer must be done this long after its engine closed (INV-6).
     settle_timeout_s: float = 60.0
 
@@ -110,6 +112,7 @@ def engine_config_for(options: MachineOptions) -> EngineConfig:
         model="builtin:echo",
         model_options={"step_delay_s": options.step_delay_s},
         backend=options.backend,
+        worker_start_method=options.worker_start_method,
         cache_dir=options.cache_dir,
         torch_threads=1,
         step_execution=step,
