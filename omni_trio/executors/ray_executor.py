@@ -52,11 +52,10 @@ from typing import Any
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import BatchRunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ._process import wait_exited
-from .base import Executor, WorkerState, raise_rank_failures
+from .base import Executor, GroupExecutor, WorkerState
 
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
@@ -231,7 +230,7 @@ class _ActorLink:
     dead: bool = False
 
 
-class RayExecutor(Executor):
+class RayExecutor(GroupExecutor):
     """Backend ``"ray"``: ``num_workers`` Ray actors in one placement group.
 
     ``placement_group`` is the group the workers run in and ``owns_placement_group`` says
@@ -656,47 +655,6 @@ class RayExecutor(Executor):
         for rank, reply in replies.items():
             self._note_steps(self._links[rank], int(reply.get("steps", 0)), now)
         return replies
-
-    async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        try:
-            replies = await self._call(
-                method, (scheduler_output,), abort_ids=scheduler_output.scheduled_request_ids
-            )
-            raise_rank_failures(method, replies)
-        except (trio.Cancelled, EngineClosedError):
-            raise
-        except Exception as exc:
-            # A forward never raises for a request's own failure: this worker is broken.
-            self._fail_group(exc)
-            raise EngineDeadError(f"worker group failed: {exc}") from exc
-        result = replies[0]["result"]
-        if not isinstance(result, BatchRunnerOutput):
-            error = WorkerError(f"{method!r} returned {type(result).__name__}", worker=0)
-            self._fail_group(error)
-            raise EngineDeadError(str(error)) from error
-        return result
-
-    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return await self._execute("execute_scheduler_output", scheduler_output)
-
-    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return await self._execute("execute_stepwise", scheduler_output)
-
-    async def collective_rpc(
-        self,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = 0,
-        **kwargs: Any,
-    ) -> Any:
-        replies = await self._call(
-            method, args, kwargs, reply_rank=unique_reply_rank, timeout=timeout
-        )
-        raise_rank_failures(method, replies)
-        if unique_reply_rank is None:
-            return [replies[rank]["result"] for rank in sorted(replies)]
-        return replies[unique_reply_rank]["result"]
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Set the stop flags in every actor through its control group: a call submitted,

@@ -46,12 +46,12 @@ from typing import Any, ClassVar
 import trio
 from trio_typing import TaskStatus
 
-from .._core.messages import AsyncOutput, BatchRunnerOutput, SchedulerOutput
+from .._core.messages import AsyncOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ..ipc import SegmentRegistry
 from ._process import wait_exited as _wait_exited
-from .base import Executor, WorkerState, raise_rank_failures
+from .base import Executor, GroupExecutor, WorkerState
 from .result_pump import ResultPump
 
 __all__ = ["FORKSERVER_PRELOAD", "TractorExecutor"]
@@ -260,7 +260,7 @@ class _WorkerLink:
         self.pending.clear()
 
 
-class TractorExecutor(Executor):
+class TractorExecutor(GroupExecutor):
     """Backend ``"tractor"``: ``num_workers`` worker processes under one tractor nursery.
 
     One per process at a time: tractor 0.1.0a5 keeps a single runtime (root actor) per
@@ -710,55 +710,8 @@ class TractorExecutor(Executor):
             replies[rank] = waiter.reply
         return replies
 
-    _raise_failed = staticmethod(raise_rank_failures)
-
-    async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        try:
-            replies = await self._call(
-                method,
-                (scheduler_output,),
-                abort_ids=scheduler_output.scheduled_request_ids,
-            )
-            self._raise_failed(method, replies)
-        except (trio.Cancelled, EngineClosedError):
-            raise
-        except Exception as exc:
-            # A forward never raises for a request's own failure: this worker is broken.
-            self._fail_group(exc)
-            raise EngineDeadError(f"worker group failed: {exc}") from exc
-        result = replies[0]["result"]
-        if not isinstance(result, BatchRunnerOutput):
-            error = WorkerError(f"{method!r} returned {type(result).__name__}", worker=0)
-            self._fail_group(error)
-            raise EngineDeadError(str(error)) from error
-        return result
-
-    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        result = await self._execute("execute_scheduler_output", scheduler_output)
-        self._announce_async_outputs(result)
-        return result
-
     def _shm_tag(self, rank: int) -> str:
         return f"w{rank}{self._tag}"
-
-    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return await self._execute("execute_stepwise", scheduler_output)
-
-    async def collective_rpc(
-        self,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = 0,
-        **kwargs: Any,
-    ) -> Any:
-        replies = await self._call(
-            method, args, kwargs, reply_rank=unique_reply_rank, timeout=timeout
-        )
-        self._raise_failed(method, replies)
-        if unique_reply_rank is None:
-            return [replies[rank]["result"] for rank in sorted(replies)]
-        return replies[unique_reply_rank]["result"]
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         from ..ipc import encode

@@ -30,12 +30,12 @@ import logging
 import os
 import socket
 import threading
-import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any
 
 from .faults import EXIT_CODE, WorkerFatalError, mark_worker_process
+from .replies import failure_fields
 
 __all__ = ["CONTROL_GROUP", "CONTROL_CONCURRENCY", "RayWorker", "to_cpu"]
 
@@ -149,12 +149,7 @@ class RayWorker:
             log.critical("worker %d: fatal error in %r; ending the process", self.rank, method)
             os._exit(EXIT_CODE)
         except Exception as exc:
-            reply.update(
-                ok=False,
-                error=str(exc) or repr(exc),
-                error_type=type(exc).__name__,
-                traceback="".join(traceback.format_exception(exc)),
-            )
+            reply.update(failure_fields(exc))
         reply["steps"] = worker.steps_done if worker is not None else 0
         return reply
 

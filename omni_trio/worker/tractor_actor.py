@@ -35,7 +35,6 @@ import os
 import select
 import sys
 import threading
-import traceback
 from multiprocessing import util as multiprocessing_util
 from typing import Any
 
@@ -43,6 +42,7 @@ import tractor
 import trio
 
 from .faults import EXIT_CODE, WorkerFatalError, mark_worker_process
+from .replies import failure_fields
 
 __all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "watch_parent_process", "serve_worker"]
 
@@ -263,12 +263,7 @@ async def serve_worker(
                 )
                 os._exit(EXIT_CODE)
             except Exception as exc:
-                reply.update(
-                    ok=False,
-                    error=str(exc) or repr(exc),
-                    error_type=type(exc).__name__,
-                    traceback="".join(traceback.format_exception(exc)),
-                )
+                reply.update(failure_fields(exc))
             reply["steps"] = worker.steps_done
             await send(stream, reply)
 
