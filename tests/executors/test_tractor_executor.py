@@ -832,12 +832,25 @@ async def test_engines_in_one_process_each_get_their_own_runtime(cache_dir: Path
     assert not set(pids_a) & set(pids_b)
 
 
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize(
+    ("group", "start_method"),
+    [
+        ("tractor", "trio"),
+        ("tractor", "forkserver"),
+        pytest.param("ray", None, marks=pytest.mark.slow),
+    ],
+)
 async def test_two_workers_run_cfg_parallel_and_match_one_worker(
-    cache_dir: Path, start_method: str
+    cache_dir: Path, group: str, start_method: str | None, request: pytest.FixtureRequest
 ) -> None:
-    """tiny-sd with guidance on 2 tractor workers: each rank computes one CFG branch per step
+    """tiny-sd with guidance on 2 tractor workers (or 2 Ray actors, whose torch.distributed
+    rendezvous is on the rank-0 actor's host): each rank computes one CFG branch per step
     (exchanged over gloo) and the image equals the inproc single-worker one within 1e-4."""
+    overrides: dict[str, Any] = {}
+    if group == "ray":
+        request.getfixturevalue("ray_cluster")
+    else:
+        overrides["worker_start_method"] = start_method
     sampling = SamplingParams(
         height=32,
         width=32,
@@ -851,12 +864,12 @@ async def test_two_workers_run_cfg_parallel_and_match_one_worker(
         async with engine_on("inproc", cache_dir, model="builtin:tiny-sd") as engine:
             alone = await engine.generate("a red circle", sampling, request_id="alone")
         async with engine_on(
-            "tractor",
+            group,
             cache_dir,
             model="builtin:tiny-sd",
             num_workers=2,
             cfg_parallel=True,
-            worker_start_method=start_method,
+            **overrides,
         ) as engine:
             described = await engine.collective_rpc("describe", unique_reply_rank=None)
             split = await engine.generate("a red circle", sampling, request_id="split")
