@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(BIN)/omni-trio demo --model builtin:shapes --out demo-grid.png
 
 lint: $(STAMP)
-	$(BIN)/ruff check omni_trio tests property_tests
-	$(BIN)/ruff format --check omni_trio tests property_tests
+	$(BIN)/ruff check omni_trio tests property_tests scripts
+	$(BIN)/ruff format --check omni_trio tests property_tests scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -74,10 +74,10 @@ def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
 class EngineConfig:
     """Configuration of one engine.
 
-    ``model`` is a local diffusers directory or a built-in name (``builtin:tiny-sd``,
-    ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to the model loader
-    (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``, ``"tractor"``,
-    ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``.
+    ``model`` is a local diffusers directory or a built-in name (``builtin:shapes``,
+    ``builtin:tiny-sd``, ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to
+    the model loader (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``,
+    ``"tractor"``, ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``.
 
     ``cfg_parallel``: with exactly two workers, split every classifier-free-guidance UNet call
     between them (rank 0 the conditional half, rank 1 the unconditional half; see

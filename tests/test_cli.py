@@ -2,7 +2,8 @@
 
 Most tests use ``builtin:echo`` (no weights; its images encode request id, seed and output
 index, so a PNG on disk proves which request produced it).  One test renders a real PNG with
-``builtin:tiny-sd``.  Every test uses a temporary model cache and output directory.
+``builtin:tiny-sd``, one runs the demo on ``builtin:shapes``.  Every test uses a temporary
+model cache and output directory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omni_trio import cli
 from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from omni_trio.errors import EngineDeadError, InvalidConfigError, RequestFailedError
 from omni_trio.models import decode_echo_image
+from omni_trio.models.shapes import SHAPES
 from tests.fakes import ScriptedModel, register_models
 
 
@@ -379,6 +381,10 @@ def test_demo_echo_writes_a_grid_and_prints_the_table(
     assert "admitted 6  completed 6" in out  # the warmup request is not counted
     assert f"wrote {grid_path}" in out
     assert "\x1b[" not in out  # plain mode: no cursor movement in logs
+    # Then the first prompt streamed in step mode: one preview after step 1, then the final.
+    strip = Image.open(tmp_path / "grid-previews.png")
+    assert strip.format == "PNG" and strip.width == 2 * (48 + 12)
+    assert f"wrote {tmp_path / 'grid-previews.png'}" in out
 
 
 def test_demo_live_mode_redraws_a_block(
@@ -438,6 +444,30 @@ def test_demo_falls_back_to_one_sequence_for_a_model_that_cannot_batch(
     out = capsys.readouterr().out
     assert "running with max_num_seqs 1" in out
     assert "2/2 completed" in out
+    assert "note: no previews strip" in out  # the fake has no step mode
+    assert not (tmp_path / "g-previews.png").exists()
     # asked for explicitly, it is the user's error: no fallback
     assert main([*base, "--max-num-seqs", "2"]) == EXIT_USAGE
     assert "max_num_seqs=1" in capsys.readouterr().err
+
+
+def test_the_demo_draws_with_builtin_shapes_and_generate_keeps_tiny_sd() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo"]).model == "builtin:shapes"
+    assert parser.parse_args(["generate", "x"]).model == "builtin:tiny-sd"
+    assert all(any(shape in prompt for shape in SHAPES) for prompt in cli.DEMO_PROMPTS)
+
+
+@pytest.mark.slow
+def test_demo_on_builtin_shapes_writes_the_grid_and_the_previews(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = tmp_path / "demo.png"
+    argv = ["demo", "--prompts", "2", "--steps", "4", "--no-warmup", "--progress", "none"]
+    argv += ["--cache-dir", str(cache_dir), "--threads", "1", "--out", str(grid)]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "model builtin:shapes" in out and "2/2 completed" in out
+    assert Image.open(grid).width == 2 * (160 + 12)
+    strip = Image.open(tmp_path / "demo-previews.png")
+    assert strip.width == 4 * (80 + 12)  # previews after steps 1, 2, 3, then the final image

@@ -13,7 +13,17 @@ from .harness import Report, command_line
 
 __all__ = ["EXPERIMENTS", "add_bench_parser", "configure_parser", "run_bench"]
 
-EXPERIMENTS = ("overhead", "throughput", "scheduler", "steps", "backends", "recovery", "serve")
+EXPERIMENTS = (
+    "overhead",
+    "throughput",
+    "scheduler",
+    "steps",
+    "backends",
+    "recovery",
+    "serve",
+    "quality",
+    "executors",
+)
 
 _HELP = {
     "overhead": "engine latency vs a direct call of the same loaded model; echo runtime cost",
@@ -23,6 +33,8 @@ _HELP = {
     "backends": "tractor vs inproc: per-request cost, async output, shm transfer, CFG-parallel",
     "recovery": "worker SIGKILL: time until the engine serves again; a kill-every-few-s soak",
     "serve": "the HTTP daemon under closed- and open-loop load vs the same model in-process",
+    "quality": "builtin:shapes prompt adherence: colour and shape of seeded generations",
+    "executors": "ray vs tractor vs inproc: per-request latency, throughput, startup",
 }
 
 
@@ -71,7 +83,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
-        help="run a benchmark: overhead, throughput, scheduler, steps, backends, recovery or serve",
+        help="run a benchmark: overhead, throughput, scheduler, steps, backends, recovery, serve, "
+        "quality or executors",
         description="Benchmarks: warmup, interleaved repeated measurement, a table and JSON.",
     )
     configure_parser(parser)

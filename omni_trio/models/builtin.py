@@ -1,4 +1,11 @@
-"""Built-in models: tiny, randomly initialised diffusers pipelines built locally, and the echo fake.
+"""Built-in models: a trained text-to-image model shipped in the package, tiny randomly
+initialised diffusers pipelines built locally, and the echo fake.
+
+``builtin:shapes`` draws "a red circle", "a small blue square": a 32x32 pixel-space
+``StableDiffusionPipeline`` trained here by ``scripts/train_shapes.py`` on procedural shapes
+(see :mod:`omni_trio.models.shapes`).  Its weights ship inside the package
+(:func:`shapes_dir`, about 9 MB of safetensors) and load from there like a user's directory;
+nothing is built or written.
 
 ``builtin:tiny-sd`` is the Stable Diffusion architecture shrunk to a few MB (8x8 latents,
 64x64 images, a 2-layer CLIP text encoder with a byte-level tokenizer written here, so any
@@ -31,16 +38,27 @@ __all__ = [
     "build_builtin_pipeline",
     "builtin_dir",
     "ensure_builtin",
+    "shapes_dir",
 ]
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS: tuple[str, ...] = ("builtin:tiny-sd", "builtin:tiny-ddim", "builtin:echo")
+BUILTIN_MODELS: tuple[str, ...] = (
+    "builtin:tiny-sd",
+    "builtin:tiny-ddim",
+    "builtin:shapes",
+    "builtin:echo",
+)
 # Bump a version when the architecture or seeds change: a new directory is built beside the old.
 _DIFFUSERS_BUILTINS: dict[str, int] = {"tiny-sd": 1, "tiny-ddim": 1}
 MARKER = "omni_trio_builtin.json"
 _SEED = 0
 _BOS = "<|startoftext|>"
 _EOS = "<|endoftext|>"
+
+
+def shapes_dir() -> Path:
+    """The shipped ``builtin:shapes`` pipeline directory (package data; read-only use)."""
+    return Path(__file__).resolve().parent / "shapes" / "pipeline"
 
 
 def builtin_dir(name: str, cache_dir: Path) -> Path:

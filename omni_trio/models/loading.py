@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError
-from .builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ensure_builtin
+from .builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ensure_builtin, shapes_dir
 from .echo import EchoModel
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ def load_model(
     """Load ``model``: a built-in name (:data:`BUILTIN_MODELS`) or a local diffusers directory.
 
     Blocking (may build a built-in on first use, about a second, under
-    ``cache_dir / "builtin"``).  ``options`` are model-specific (``builtin:echo``:
+    ``cache_dir / "builtin"``; ``builtin:shapes`` ships built, in the package).
+    ``options`` are model-specific (``builtin:echo``:
     ``step_delay_s``; the diffusers models take none).  Raises :class:`InvalidConfigError`
     (``field="model"``) for an unknown built-in (listing the built-ins), a path that is not a
     directory, a directory diffusers cannot load, or a pipeline of an unsupported family
@@ -99,6 +100,10 @@ def load_model(
         if model == "builtin:echo":
             return EchoModel.from_options(options, device=device)
         _reject_options(model, options)
+        if model == "builtin:shapes":
+            return DiffusersModel.from_pretrained(
+                shapes_dir(), name=model, device=device, dtype=dtype
+            )
         try:
             path = ensure_builtin(model[len(BUILTIN_PREFIX) :], Path(cache_dir))
         except OSError as exc:

@@ -220,6 +220,7 @@ class DiffusersModel(DiffusionModel):
         from diffusers import DiffusionPipeline
 
         from .loading import quiet_hf
+        from .shapes import _vae  # noqa: F401 - diffusers resolves PixelSpaceVAE via sys.modules
 
         kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
         if importlib.util.find_spec("accelerate") is None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,20 @@ def test_any_prompt_tokenizes_without_unknown_tokens(tiny_sd: Any, prompt: str) 
 def test_unknown_names_are_not_built(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         builtin.build_builtin_pipeline("tiny-flux", tmp_path)
+
+
+def test_shapes_ships_small_safetensors_in_the_package() -> None:
+    root = builtin.shapes_dir()
+    assert root.parent.name == "shapes" and root.parent.parent.name == "models"
+    assert (root / "model_index.json").is_file()
+    assert json.loads((root / MARKER).read_text())["name"] == "builtin:shapes"
+    weights = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.safetensors"))
+    assert weights == [
+        "text_encoder/model.safetensors",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+    ]
+    assert not list(root.rglob("*.bin")) and not list(root.rglob("*.pt"))
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert size < 20 * 2**20, size
+    assert "shapes" not in builtin._DIFFUSERS_BUILTINS  # never built, never cached

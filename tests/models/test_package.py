@@ -19,7 +19,12 @@ PUBLIC = {
 
 def test_public_names() -> None:
     assert set(models.__all__) == PUBLIC
-    assert models.BUILTIN_MODELS == ("builtin:tiny-sd", "builtin:tiny-ddim", "builtin:echo")
+    assert models.BUILTIN_MODELS == (
+        "builtin:tiny-sd",
+        "builtin:tiny-ddim",
+        "builtin:shapes",
+        "builtin:echo",
+    )
 
 
 def test_nothing_else_leaks() -> None:

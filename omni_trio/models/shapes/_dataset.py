@@ -1,0 +1,176 @@
+"""The procedural shapes dataset: 32x32 RGB pictures of one flat shape on white, with captions.
+
+A scene is a :class:`Scene`: a shape (:data:`SHAPES`) in a named colour (:data:`COLOURS`) of
+a size class (small, medium, large) at a position.  :func:`render_scene` draws it
+anti-aliased (4x4 supersampling); :func:`caption` describes it in one of a few phrasings
+("a red circle", "a small blue square on a white background").  :func:`sample_scene` draws a
+scene from a :class:`numpy.random.Generator`, so a dataset is deterministic per seed:
+:func:`make_batch` is the one the training script uses.
+
+Geometry (what :mod:`~omni_trio.models.shapes._judge` relies on): every shape of half-extent
+``r`` fills a ``2r x 2r`` axis-aligned box: the square all of it, the circle ``pi/4`` of it,
+the upright triangle (apex at the top, base at the bottom) half of it.
+
+Pure numpy: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+
+__all__ = [
+    "COLOURS",
+    "IMAGE_SIZE",
+    "SHAPES",
+    "SIZES",
+    "Scene",
+    "article",
+    "caption",
+    "make_batch",
+    "render_scene",
+    "sample_scene",
+    "shape_mask",
+]
+
+IMAGE_SIZE: Final = 32
+# The named colours (sRGB, 0-255).  Their hues are far enough apart to tell them apart.
+COLOURS: Final[dict[str, tuple[int, int, int]]] = {
+    "red": (220, 30, 30),
+    "orange": (245, 140, 20),
+    "yellow": (235, 215, 25),
+    "green": (35, 165, 55),
+    "blue": (35, 75, 220),
+    "purple": (145, 45, 200),
+}
+SHAPES: Final = ("circle", "square", "triangle")
+Shape = Literal["circle", "square", "triangle"]
+SizeClass = Literal["small", "medium", "large"]
+# Half-extent ranges in pixels for each size class (a shape spans 2r pixels).
+SIZES: Final[dict[str, tuple[float, float]]] = {
+    "small": (4.5, 6.5),
+    "medium": (7.0, 9.5),
+    "large": (10.0, 13.0),
+}
+BACKGROUND: Final = (255, 255, 255)
+_SUPERSAMPLE = 4
+_COLOUR_JITTER = 12  # +- per channel, so the model learns a colour, not one RGB triple
+_MARGIN = 1.0
+
+
+@dataclass(frozen=True)
+class Scene:
+    """One picture: ``shape`` in ``colour`` of half-extent ``radius`` centred at (cx, cy).
+
+    ``rgb`` is the exact fill colour (the named colour, jittered); ``size`` the size class
+    ``radius`` was drawn from.  Coordinates are pixels, (0, 0) the top-left pixel's corner.
+    """
+
+    shape: Shape
+    colour: str
+    size: SizeClass
+    radius: float
+    cx: float
+    cy: float
+    rgb: tuple[int, int, int]
+
+
+def shape_mask(
+    shape: str, cx: float, cy: float, radius: float, size: int = IMAGE_SIZE
+) -> np.ndarray:
+    """Coverage of each pixel by the shape, in [0, 1], shape ``(size, size)`` float32."""
+    n = size * _SUPERSAMPLE
+    coords = (np.arange(n, dtype=np.float64) + 0.5) / _SUPERSAMPLE
+    x = coords[None, :]
+    y = coords[:, None]
+    dx = x - cx
+    dy = y - cy
+    if shape == "circle":
+        inside = dx * dx + dy * dy <= radius * radius
+    elif shape == "square":
+        inside = (np.abs(dx) <= radius) & (np.abs(dy) <= radius)
+    elif shape == "triangle":
+        # Apex (cx, cy - r), base from (cx - r, cy + r) to (cx + r, cy + r).
+        depth = (dy + radius) / (2 * radius)  # 0 at the apex, 1 at the base
+        inside = (depth >= 0) & (depth <= 1) & (np.abs(dx) <= depth * radius)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; shapes are {', '.join(SHAPES)}")
+    inside = np.broadcast_to(inside, (n, n)).astype(np.float32)
+    coverage = inside.reshape(size, _SUPERSAMPLE, size, _SUPERSAMPLE).mean(axis=(1, 3))
+    return coverage.astype(np.float32)
+
+
+def render_scene(scene: Scene, size: int = IMAGE_SIZE) -> np.ndarray:
+    """The picture of ``scene``: ``(size, size, 3)`` float32 RGB in [0, 1]."""
+    alpha = shape_mask(scene.shape, scene.cx, scene.cy, scene.radius, size)[..., None]
+    fg = np.asarray(scene.rgb, dtype=np.float32) / 255.0
+    bg = np.asarray(BACKGROUND, dtype=np.float32) / 255.0
+    return (alpha * fg + (1.0 - alpha) * bg).astype(np.float32)
+
+
+def sample_scene(
+    rng: np.random.Generator,
+    *,
+    shape: str | None = None,
+    colour: str | None = None,
+    size: str | None = None,
+) -> Scene:
+    """A random scene; ``shape``, ``colour`` and ``size`` fix those attributes if given."""
+    chosen_shape = shape if shape is not None else SHAPES[int(rng.integers(len(SHAPES)))]
+    names = list(COLOURS)
+    chosen_colour = colour if colour is not None else names[int(rng.integers(len(names)))]
+    size_names = list(SIZES)
+    chosen_size = size if size is not None else size_names[int(rng.integers(len(size_names)))]
+    if chosen_shape not in SHAPES:
+        raise ValueError(f"unknown shape {chosen_shape!r}; shapes are {', '.join(SHAPES)}")
+    if chosen_colour not in COLOURS:
+        raise ValueError(f"unknown colour {chosen_colour!r}; colours are {', '.join(COLOURS)}")
+    if chosen_size not in SIZES:
+        raise ValueError(f"unknown size {chosen_size!r}; sizes are {', '.join(SIZES)}")
+    lo, hi = SIZES[chosen_size]
+    radius = float(rng.uniform(lo, hi))
+    low = radius + _MARGIN
+    high = IMAGE_SIZE - radius - _MARGIN
+    cx = float(rng.uniform(low, high))
+    cy = float(rng.uniform(low, high))
+    jitter = rng.integers(-_COLOUR_JITTER, _COLOUR_JITTER + 1, size=3)
+    base = np.asarray(COLOURS[chosen_colour])
+    r, g, b = (int(v) for v in np.clip(base + jitter, 0, 255))
+    return Scene(
+        shape=chosen_shape,  # type: ignore[arg-type]
+        colour=chosen_colour,
+        size=chosen_size,  # type: ignore[arg-type]
+        radius=radius,
+        cx=cx,
+        cy=cy,
+        rgb=(r, g, b),
+    )
+
+
+def caption(scene: Scene, rng: np.random.Generator) -> str:
+    """A caption of ``scene``: ``"a red circle"``, ``"an orange square"``, optionally with
+    its size class (small or large; medium shapes are never called medium) and
+    ``"on a white background"``."""
+    words: list[str] = []
+    if scene.size != "medium" and rng.random() < 0.5:
+        words.append(scene.size)
+    words += [scene.colour, scene.shape]
+    if rng.random() < 0.3:
+        words += ["on", "a", "white", "background"]
+    return " ".join([article(words[0]), *words])
+
+
+def article(word: str) -> str:
+    """``"an"`` before a vowel, else ``"a"`` (``"an orange circle"``)."""
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+def make_batch(rng: np.random.Generator, n: int) -> tuple[np.ndarray, list[str], list[Scene]]:
+    """``n`` random scenes: images ``(n, 3, 32, 32)`` float32 in [-1, 1] (what the model is
+    trained on), their captions and the scenes."""
+    scenes = [sample_scene(rng) for _ in range(n)]
+    captions = [caption(scene, rng) for scene in scenes]
+    images = np.stack([render_scene(scene) for scene in scenes])
+    return images.transpose(0, 3, 1, 2) * 2.0 - 1.0, captions, scenes
