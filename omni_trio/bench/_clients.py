@@ -10,9 +10,10 @@ without the engine, in the calling thread: the physical limit the engine is comp
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,6 +39,7 @@ __all__ = [
     "load_like",
     "run_direct",
     "same_model",
+    "sequential_block",
     "sync_torch_threads",
 ]
 
@@ -75,6 +77,24 @@ class RunResult:
     @property
     def images_per_s(self) -> float:
         return self.images / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def sequential_block(
+    engine: AsyncEngine, params: SamplingParams, block: int, sink: list[float]
+) -> Callable[[], Awaitable[float]]:
+    """One measurement for ``run_interleaved_async``: ``block`` requests one after another
+    (concurrency 1); every latency (s) is appended to ``sink``; returns the block's median."""
+
+    async def call() -> float:
+        latencies: list[float] = []
+        for _ in range(block):
+            started = time.perf_counter()
+            await engine.generate(PROMPT, params)
+            latencies.append(time.perf_counter() - started)
+        sink.extend(latencies)
+        return statistics.median(latencies)
+
+    return call
 
 
 async def drive(

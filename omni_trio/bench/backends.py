@@ -50,7 +50,7 @@ import trio
 from .._core.request import SamplingParams
 from ..config import EngineConfig
 from ..runtime.engine import AsyncEngine, open_engine
-from ._clients import PROMPT, RunResult, drive
+from ._clients import PROMPT, RunResult, drive, sequential_block
 from .harness import (
     Progress,
     Report,
@@ -264,20 +264,11 @@ async def _overhead_part(
             await stack.enter_async_context(open_engine(base.replace(backend=b))) for b in backends
         ]
 
-        def block_of(name: str, engine: AsyncEngine) -> Callable[[], Awaitable[float]]:
-            async def call() -> float:
-                lat: list[float] = []
-                for _ in range(block):
-                    t0 = time.perf_counter()
-                    await engine.generate(PROMPT, params)
-                    lat.append(time.perf_counter() - t0)
-                latencies[name].extend(lat)
-                return statistics.median(lat)
-
-            return call
-
         rounds = await run_interleaved_async(
-            [block_of(b, e) for b, e in zip(backends, engines, strict=True)],
+            [
+                sequential_block(e, params, block, latencies[b])
+                for b, e in zip(backends, engines, strict=True)
+            ],
             repeats,
             warmup=warmup,
             on_round=bar.advance,

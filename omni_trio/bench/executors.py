@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -46,7 +45,7 @@ import trio
 from .._core.request import SamplingParams
 from ..config import EngineConfig
 from ..runtime.engine import AsyncEngine, open_engine
-from ._clients import PROMPT, RunResult, drive
+from ._clients import RunResult, drive, sequential_block
 from .backends import _tractor_runtime
 from .harness import (
     Progress,
@@ -370,18 +369,6 @@ async def _run_cell(
             replies = described if isinstance(described, list) else [described]
             cfg_active[backend] = [bool(d.get("cfg_parallel")) for d in replies]
 
-        def latency_block(name: str, engine: AsyncEngine) -> Callable[[], Awaitable[float]]:
-            async def call() -> float:
-                lat: list[float] = []
-                for _ in range(block):
-                    t0 = time.perf_counter()
-                    await engine.generate(PROMPT, params)
-                    lat.append(time.perf_counter() - t0)
-                latencies[name].extend(lat)
-                return statistics.median(lat)
-
-            return call
-
         def throughput_round(engine: AsyncEngine) -> Callable[[], Awaitable[RunResult]]:
             async def call() -> RunResult:
                 return await drive(engine, params, requests=burst, concurrency=args.concurrency)
@@ -389,7 +376,10 @@ async def _run_cell(
             return call
 
         lat_rounds = await run_interleaved_async(
-            [latency_block(b, e) for b, e in zip(running, engines, strict=True)],
+            [
+                sequential_block(e, params, block, latencies[b])
+                for b, e in zip(running, engines, strict=True)
+            ],
             blocks,
             warmup=warmup,
             on_round=bar.advance,
