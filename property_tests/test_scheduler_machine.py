@@ -4,7 +4,8 @@ Each machine drives one scheduler the way the engine loop does (add, schedule, d
 runner output of the in-flight schedule, abort, preempt, pop) and compares every answer and,
 after every step, the whole lifecycle with a list-based reference model:
 
-* each live request is in exactly one place: the waiting queue or the running set, in order;
+* each live request is in exactly one place: the waiting queue, the running set or (compute
+  done, output still packing) the packing set, in order;
 * no more than ``capacity`` run, and everything running shares one compatibility key;
 * each terminal request is reported in ``finished_req_ids`` exactly once, in the next schedule;
 * no finished request is ever scheduled again;
@@ -127,6 +128,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.model: dict[str, Ref] = {}
         self.queue: list[str] = []
         self.running: list[str] = []
+        self.packing: list[str] = []
         self.pending_finished: set[str] = set()
         self.inflight: SchedulerOutput | None = None
         self.gone: set[str] = set()  # popped and not re-added
@@ -159,7 +161,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -- model helpers ----------------------------------------------------------------------
 
     def live(self) -> list[str]:
-        return self.running + self.queue
+        return self.packing + self.running + self.queue
+
+    def model_packing(self, rid: str) -> None:
+        """Compute done, output announced: out of the batch, not terminal."""
+        self.model[rid].status = S.PACKING
+        self.running.remove(rid)
+        self.packing.append(rid)
 
     def model_finish(
         self, rid: str, status: RequestStatus, error: str | None, error_type: str | None
@@ -168,10 +176,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         ref.status = status
         ref.finished_at = self.now
         ref.error, ref.error_type = error, error_type
-        if rid in self.running:
-            self.running.remove(rid)
-        if rid in self.queue:
-            self.queue.remove(rid)
+        for place in (self.running, self.queue, self.packing):
+            if rid in place:
+                place.remove(rid)
         self.pending_finished.add(rid)
         self.terminal.add((rid, ref.incarnation))
         self.unreported.add((rid, ref.incarnation))
@@ -349,11 +356,46 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort_running(self, data: st.DataObject, status: RequestStatus) -> None:
         self._finish([data.draw(st.sampled_from(sorted(self.running)), label="running id")], status)
 
+    @precondition(lambda self: self.packing)
+    @rule(data=st.data())
+    def abort_packing(self, data: st.DataObject) -> None:
+        self._finish(
+            [data.draw(st.sampled_from(sorted(self.packing)), label="packing id")],
+            S.FINISHED_ABORTED,
+        )
+
     @precondition(lambda self: self.counter > 0)  # the ids bundle is never empty after an add
     @rule(rids=st.lists(st.one_of(ids, st.just("ghost")), min_size=1, max_size=3))
     def abort_any(self, rids: list[str]) -> None:
         # Ids may be live, finished, popped or never seen: only live ones finish.
         self._finish(rids, S.FINISHED_ABORTED)
+
+    @precondition(lambda self: self.packing)
+    @rule(data=st.data(), outcome=st.sampled_from(["ready", "failed", "lost"]))
+    def settle_packing(self, data: st.DataObject, outcome: str) -> None:
+        """A PACKING request's output arrives, fails to pack, or is lost with its group
+        (then it runs again from the start, at the front of the queue)."""
+        rid = data.draw(st.sampled_from(sorted(self.packing)), label="packing id")
+        ref = self.model[rid]
+        note(f"output of {rid}: {outcome}")
+        if outcome == "lost":
+            assert self.sched.preempt_request(rid) is True
+            self.packing.remove(rid)
+            self.queue.insert(0, rid)
+            ref.status = S.PREEMPTED
+            ref.preemptions += 1
+            ref.progress = 0
+            ref.sent = False
+            return
+        if outcome == "ready":
+            got = self.sched.finish_requests(rid, S.FINISHED_COMPLETED, self.now)
+            self.model_finish(rid, S.FINISHED_COMPLETED, None, None)
+        else:
+            got = self.sched.finish_requests(
+                rid, S.FINISHED_ERROR, self.now, error="pack", error_type="PackError"
+            )
+            self.model_finish(rid, S.FINISHED_ERROR, "pack", "PackError")
+        assert got == [rid]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), reset=st.booleans())
@@ -374,7 +416,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.counter > 0)
     @rule(rid=ids)
     def preempt_not_running(self, rid: str) -> None:
-        if rid in self.running:
+        if rid in self.running or rid in self.packing:
             return
         note(f"preempt {rid} (not running) -> False")
         assert self.sched.preempt_request(rid) is False
@@ -392,7 +434,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.gone.add(rid)
         return rid
 
-    @precondition(lambda self: self.running or self.queue)
+    @precondition(lambda self: self.running or self.queue or self.packing)
     @rule(data=st.data())
     def pop_live(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live())), label="live id")
@@ -409,9 +451,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def each_live_request_is_in_exactly_one_place(self) -> None:
         assert list(self.sched.running_request_ids()) == self.running
-        assert self.sched.live_request_ids() == self.running + self.queue
-        assert not set(self.running) & set(self.queue)
+        assert list(self.sched.packing_request_ids()) == self.packing
+        assert self.sched.live_request_ids() == self.packing + self.running + self.queue
+        assert len(set(self.live())) == len(self.live())
         assert self.sched.num_running == len(self.running)
+        assert self.sched.num_packing == len(self.packing)
         assert self.sched.num_waiting == len(self.queue)
         assert self.sched.has_unfinished_requests() == bool(self.running or self.queue)
 
@@ -499,7 +543,7 @@ class RequestSchedulerMachine(SchedulerMachine):
             self.model_finish(rid, S.FINISHED_COMPLETED, None, None)
             return RunnerOutput(rid, images=(f"image {rid}",))
         if kind == "async":
-            self.model_finish(rid, S.FINISHED_COMPLETED, None, None)
+            self.model_packing(rid)
             return RunnerOutput(rid, async_output_id=f"b/{rid}")
         if kind == "error":
             self.model_finish(rid, S.FINISHED_ERROR, f"boom {rid}", "RuntimeError")

@@ -2,10 +2,19 @@
 
 ::
 
-    WAITING --schedule--> RUNNING --output--> FINISHED_COMPLETED
-       |                    |  '--error/missing output--> FINISHED_ERROR
+    WAITING --schedule--> RUNNING --compute done--> PACKING --output ready--> FINISHED_COMPLETED
+       |                    |  |                      |  '--packing failed/lost--> FINISHED_ERROR
+       |                    |  '--output in hand--> FINISHED_COMPLETED
+       |                    |--error/missing output--> FINISHED_ERROR
        |                    |--worker crash, retries left--> PREEMPTED --> (front of WAITING)
-       '--abort--> FINISHED_ABORTED <--abort--'
+       |                    |--step-boundary preemption--> PREEMPTED       ^
+       |                    |                         '--group lost it-----'
+       '--abort--> FINISHED_ABORTED <--abort-- (RUNNING, PACKING, PREEMPTED)
+
+``PACKING`` is "compute done, output still being packed": the request has left its batch
+(the slot is free, as the reference's ``COMPUTE_DONE`` says) but it has no output yet.  Only
+the engine core moves a request, and only through :func:`transition`: no status is ever set
+anywhere else.
 
 Terminal states are ordered after live ones, so ``status.finished`` is a comparison.
 """
@@ -27,9 +36,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_COMPLETED = 3
-    FINISHED_ABORTED = 4
-    FINISHED_ERROR = 5
+    PACKING = 3
+    FINISHED_COMPLETED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
 
     @property
     def finished(self) -> bool:
@@ -40,8 +50,9 @@ _S = RequestStatus
 _TERMINAL = frozenset({_S.FINISHED_COMPLETED, _S.FINISHED_ABORTED, _S.FINISHED_ERROR})
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
-    _S.RUNNING: frozenset({_S.PREEMPTED} | _TERMINAL),
+    _S.RUNNING: frozenset({_S.PREEMPTED, _S.PACKING} | _TERMINAL),
     _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_ERROR}),
+    _S.PACKING: frozenset({_S.PREEMPTED} | _TERMINAL),
     _S.FINISHED_COMPLETED: frozenset(),
     _S.FINISHED_ABORTED: frozenset(),
     _S.FINISHED_ERROR: frozenset(),
@@ -69,6 +80,9 @@ class RequestState:
     total_steps: int = 0
     num_computed_steps: int = 0
     num_preemptions: int = 0
+    # Times this request was run again because its worker group failed under it (the one
+    # retry counter; bounded by max_retries_on_worker_failure).
+    num_retries: int = 0
     # Step mode: True once the worker holds state for it (new payload already sent).
     sent_to_worker: bool = False
 

@@ -73,9 +73,10 @@ class RunnerOutput:
 
     Exactly one of: ``images`` (a result), ``error`` (this request failed), ``aborted`` (it
     stopped at a step boundary because it was aborted) or ``async_output_id`` (the payload
-    follows as an ``OUTPUT_READY``).  Step mode sets ``step_index`` (steps done so far) and
-    ``finished`` only when the request's denoising is complete; a non-terminal chunk may
-    carry preview ``images``.
+    follows as an ``OUTPUT_READY``).  Step mode sets ``step_index`` (steps done so far),
+    ``total_steps`` (the steps the worker runs in all, which a model may make fewer than the
+    request asked for) and ``finished`` only when the request's denoising is complete; a
+    non-terminal chunk may carry preview ``images``.
     """
 
     request_id: str
@@ -85,6 +86,7 @@ class RunnerOutput:
     aborted: bool = False
     finished: bool = True
     step_index: int | None = None
+    total_steps: int | None = None
     async_output_id: str | None = None
     # Worker-side timings in ms, e.g. {"forward_ms": ..., "postprocess_ms": ...}.
     timings: Mapping[str, float] = field(default_factory=dict)

@@ -5,10 +5,12 @@ Its owner (the engine loop) feeds it events and carries out its decisions::
 
     add_request(request, now)            -> WAITING
     schedule(now)                        -> SchedulerOutput (admits a wave / batch)
-    update_from_output(out, results, now)-> ids that reached a terminal state
-    finish_requests(ids, status, ...)    -> ids that reached a terminal state (abort, errors)
-    preempt_request(id)                  -> RUNNING back to the front of the queue
-    requeue_request(request, now)        -> a lost finished compute, back to the front
+    update_from_output(out, results, now)-> ids that reached a terminal state; a request whose
+                                            compute is done but whose output is still being
+                                            packed moves to PACKING and leaves its batch
+    finish_requests(ids, status, ...)    -> ids that reached a terminal state (abort, errors,
+                                            a PACKING request's output arrived or was lost)
+    preempt_request(id)                  -> RUNNING or PACKING back to the front of the queue
     pop_request_state(id)                -> the terminal state, removed for good
 
 Admission is strict FIFO with head-of-line blocking: an incompatible head stops admission and
@@ -66,6 +68,8 @@ class Scheduler:
         self._queued: set[int] = set()
         # Running requests in admission order (batch row order).
         self._running: dict[str, RequestState] = {}
+        # Compute done, output still being packed: out of the batch, not terminal yet.
+        self._packing: dict[str, RequestState] = {}
         self._wave_key: Hashable | None = None
         # Terminal since the last schedule(); reported once in its finished_req_ids.
         self._finished_pending: set[str] = set()
@@ -80,6 +84,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_packing(self) -> int:
+        return len(self._packing)
 
     @property
     def step_id(self) -> int:
@@ -98,9 +106,15 @@ class Scheduler:
     def running_request_ids(self) -> tuple[str, ...]:
         return tuple(self._running)
 
+    def packing_request_ids(self) -> tuple[str, ...]:
+        """PACKING requests, oldest compute first."""
+        return tuple(self._packing)
+
     def live_request_ids(self) -> list[str]:
-        """Ids of every admitted request that is not terminal (running first, then queue order)."""
-        ids = list(self._running)
+        """Ids of every admitted request that is not terminal (packing first, then running,
+        then queue order)."""
+        ids = list(self._packing)
+        ids.extend(self._running)
         ids.extend(s.request_id for s in self._waiting if id(s) in self._queued)
         return ids
 
@@ -145,16 +159,21 @@ class Scheduler:
     ) -> list[str]:
         """Apply one execute result; return the ids that reached a terminal state.
 
-        Results for requests that finished meanwhile (aborted while running) are ignored:
-        a late result is never delivered.
+        A request whose output is announced (``async_output_id``) but not in hand moves to
+        PACKING: it leaves its batch, so the slot is free for the next wave.  Results for
+        requests that finished meanwhile (aborted while running) are ignored: a late result
+        is never delivered.
         """
         finished: list[str] = []
         for rid in scheduler_output.scheduled_request_ids:
-            state = self._states.get(rid)
-            if state is None or state.status.finished or rid not in self._running:
+            state = self._running.get(rid)
+            if state is None:
                 continue
             status, error, error_type = self._judge(state, runner_output.get(rid))
             if status is None:
+                continue
+            if status is _S.PACKING:
+                self._start_packing(state)
                 continue
             self._finish(state, status, now, error, error_type)
             finished.append(rid)
@@ -187,53 +206,28 @@ class Scheduler:
         return done
 
     def preempt_request(self, request_id: str, *, reset_progress: bool = False) -> bool:
-        """Move a RUNNING request to the front of the queue as PREEMPTED.
+        """Move a RUNNING or PACKING request to the front of the queue as PREEMPTED.
 
-        Returns False (and changes nothing) if it is not running.  Step progress is kept
-        unless ``reset_progress`` (the workers lost the request's state, e.g. after a crash).
+        Returns False (and changes nothing) if it is neither.  Step progress is kept unless
+        ``reset_progress`` (the workers lost the request's state, e.g. after a crash).  A
+        PACKING request's output was lost: it runs again from the start.
         """
-        state = self._running.pop(request_id, None)
+        state = self._running.get(request_id)
         if state is None:
-            return False
-        transition(state, _S.PREEMPTED)
+            state = self._packing.get(request_id)
+            if state is None:
+                return False
+            reset_progress = True
+        transition(state, _S.PREEMPTED)  # first: an illegal move leaves everything as it was
+        if self._running.pop(request_id, None) is not None and not self._running:
+            self._wave_key = None
+        self._packing.pop(request_id, None)
         state.num_preemptions += 1
         if reset_progress:
             state.num_computed_steps = 0
             state.sent_to_worker = False
-        if not self._running:
-            self._wave_key = None
         self._enqueue(state, front=True)
         return True
-
-    def requeue_request(
-        self,
-        request: DiffusionRequest,
-        now: float,
-        *,
-        queued_at: float | None = None,
-        first_scheduled_at: float | None = None,
-    ) -> RequestState:
-        """Re-admit a request whose finished compute was lost (its worker group failed
-        while the output was being packed): PREEMPTED at the front of the queue, so it runs
-        again before anything admitted after it.  Its earlier state must have been popped.
-
-        Raises :class:`DuplicateRequestError` while the id still has state here.
-        """
-        rid = request.request_id
-        if rid in self._states:
-            raise DuplicateRequestError(rid)
-        state = RequestState(
-            request=request,
-            queued_at=now if queued_at is None else queued_at,
-            status=_S.PREEMPTED,
-            history=[_S.RUNNING, _S.PREEMPTED],
-        )
-        state.first_scheduled_at = first_scheduled_at
-        state.num_preemptions = 1
-        self._init_state(state)
-        self._states[rid] = state
-        self._enqueue(state, front=True)
-        return state
 
     def pop_request_state(self, request_id: str) -> RequestState | None:
         """Remove and return a terminal request's state (None if unknown).
@@ -306,6 +300,13 @@ class Scheduler:
     ) -> tuple[RequestStatus | None, str | None, str | None]:
         raise NotImplementedError
 
+    def _start_packing(self, state: RequestState) -> None:
+        transition(state, _S.PACKING)
+        del self._running[state.request_id]
+        if not self._running:
+            self._wave_key = None
+        self._packing[state.request_id] = state
+
     def _finish(
         self,
         state: RequestState,
@@ -318,6 +319,7 @@ class Scheduler:
         transition(state, status)  # first: an illegal move must leave the queues untouched
         if self._running.pop(rid, None) is not None and not self._running:
             self._wave_key = None
+        self._packing.pop(rid, None)
         self._queued.discard(id(state))
         state.finished_at = now
         if status is _S.FINISHED_ERROR:
@@ -388,8 +390,10 @@ class RequestScheduler(Scheduler):
             return _S.FINISHED_ABORTED, None, None
         if output.error is not None:
             return _S.FINISHED_ERROR, output.error, output.error_type
-        if output.images is None and output.async_output_id is None:
-            return _S.FINISHED_ERROR, NO_RESULT_ERROR, "MissingOutputError"
+        if output.images is None:
+            if output.async_output_id is None:
+                return _S.FINISHED_ERROR, NO_RESULT_ERROR, "MissingOutputError"
+            return _S.PACKING, None, None
         return _S.FINISHED_COMPLETED, None, None
 
 

@@ -17,6 +17,7 @@ Events and the fields they use (``request_id`` is None for engine-wide events)::
     ABORT          rid   detail: reason (api|consumer|close)    abort asked
     CONSUMER_DROP  rid                                          the consumer stopped reading
     REQUEUE        rid   detail: retry                          back to the queue after a crash
+    PREEMPT        rid   detail: progress                       preempted at a step boundary
     TERMINAL       rid   detail: status, error_type             reached its terminal state
     OUTPUT         rid   detail: status, delivered (bool)       terminal output sent (or dropped,
                                                                 delivered=False: consumer gone)
@@ -49,6 +50,7 @@ class TraceKind(enum.StrEnum):
     ABORT = "abort"
     CONSUMER_DROP = "consumer_drop"
     REQUEUE = "requeue"
+    PREEMPT = "preempt"
     TERMINAL = "terminal"
     OUTPUT = "output"
     CLEANUP = "cleanup"

@@ -18,7 +18,7 @@ async     request-mode throughput with ``async_output`` on vs off where packing 
           The same fraction is also given against a wall-time ideal, where "pack" is all of a
           request's serial time (1 / requests/s, async off) that is not its forward (on
           tractor that includes encoding, shared memory and the reply).  How many outputs
-          really came through the executor's ``wait_output`` (the async path) is counted, so
+          really came through the executor's ``claim_output`` (the async path) is counted, so
           a backend without async output shows as such.
 transfer  a payload of 1, 16 and 64 MiB (``--transfer-sizes-mb``) sent by a child process over
           a real tractor context stream, encoded by :mod:`omni_trio.ipc` with the default
@@ -183,17 +183,17 @@ async def _tractor_runtime(needed: bool) -> Any:
 
 
 def count_async_outputs(engine: AsyncEngine) -> list[int]:
-    """Count the outputs the engine fetches through ``executor.wait_output`` (the async-output
-    path) from now on; returns a one-element list holding the count."""
+    """Count the outputs the engine claims through ``executor.claim_output`` (the
+    async-output path) from now on; returns a one-element list holding the count."""
     executor = engine.executor
-    original = executor.wait_output
+    original = executor.claim_output
     counter = [0]
 
-    async def counted(async_output_id: str) -> Any:
+    def counted(async_output_id: str, callback: Any) -> None:
         counter[0] += 1
-        return await original(async_output_id)
+        original(async_output_id, callback)
 
-    executor.wait_output = counted  # type: ignore[method-assign]
+    executor.claim_output = counted  # type: ignore[method-assign]
     return counter
 
 
@@ -347,7 +347,7 @@ async def _async_part(
             engines.append(engine)
             counters.append(count_async_outputs(engine))
 
-        # Per call: how many of its outputs came through wait_output.
+        # Per call: how many of its outputs came through claim_output.
         via: list[list[int]] = [[] for _ in engines]
 
         def runner(i: int) -> Callable[[], Awaitable[RunResult]]:
@@ -464,7 +464,7 @@ async def _async_part(
         )
         if not async_path:
             report.notes.append(
-                f"async ({backend}): no output came through wait_output: this backend has no "
+                f"async ({backend}): no output came through claim_output: this backend has no "
                 f"async output yet, so async_output=True ran the same inline path as False "
                 f"(ratio x{ratio.median:.2f} is noise)"
             )

@@ -17,21 +17,21 @@ import abc
 import importlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import trio
 from trio_typing import TaskStatus
 
+from .._core.health import WorkerState as WorkerState
+from .._core.health import WorkerStatus
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
+from .._core.model_info import ModelInfo
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, WorkerError
-from .result_pump import ResultPump, register_async_outputs
-
-if TYPE_CHECKING:
-    from ..models import ModelInfo
+from .result_pump import OutputCallback, ResultPump, register_async_outputs
 
 __all__ = [
+    "BUILTIN_BACKENDS",
     "Executor",
     "GroupExecutor",
     "WorkerState",
@@ -41,20 +41,16 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerState:
-    """A snapshot of one worker: ``state`` is ``"running"``, ``"failed"`` (its group failed
-    closed), ``"stopped"`` (closed), or, as reported by the engine between two groups,
-    ``"restarting"``."""
-
-    rank: int
-    state: str
-    pid: int | None = None
-    steps: int | None = None
-
-
 class Executor(abc.ABC):
-    """Base class of every backend (inproc, tractor, ray, or a user's subclass)."""
+    """Base class of every backend (inproc, tractor, ray, or a user's subclass).
+
+    ``one_per_process``: at most one executor of this class may run in a process at a time
+    (tractor keeps one runtime per process), so an engine pool cannot hold several.
+    ``output_rank``: the rank whose replies carry results (the one trace events name).
+    """
+
+    one_per_process: ClassVar[bool] = False
+    output_rank: int = 0
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -120,6 +116,16 @@ class Executor(abc.ABC):
         output: RunnerOutput = await self._pump.wait_output(async_output_id)
         return output
 
+    def claim_output(self, async_output_id: str, callback: OutputCallback) -> None:
+        """Take the packed output announced as ``async_output_id`` when it arrives:
+        ``callback(output, None)``, or ``callback(None, error)`` if it cannot come (its
+        packing failed remotely, or the worker group failed).  The callback runs in the
+        engine's trio thread, possibly before this returns.  :meth:`drop_output` withdraws
+        the claim.  Raises ``RuntimeError`` for a backend without async outputs."""
+        if self._pump is None:
+            raise RuntimeError(f"{type(self).__name__} has no async outputs")
+        self._pump.claim(async_output_id, callback)
+
     def drop_output(self, async_output_id: str) -> None:
         """Nobody will wait for this output (its request was aborted or its consumer left):
         release it now, or when it arrives.  Backends without async outputs ignore it."""
@@ -165,11 +171,24 @@ class Executor(abc.ABC):
         """One entry per worker rank: its state and, where the backend knows them, its pid
         and the denoising steps it has run.  Backends override this to say more."""
         state = (
-            "failed"
+            WorkerStatus.FAILED
             if self._dead_reason is not None
-            else ("stopped" if self._closed else "running")
+            else (WorkerStatus.STOPPED if self._closed else WorkerStatus.RUNNING)
         )
         return [WorkerState(rank, state) for rank in range(self.config.num_workers)]
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """The per-request resources this executor holds in the engine's process, by kind,
+        as owning request ids (its result pump's).  The workers' own are asked for with the
+        ``leftovers`` RPC.  See :func:`omni_trio.testing.check_leftovers`."""
+        return self._pump.leftovers() if self._pump is not None else {}
+
+    async def wait_settled(self) -> None:
+        """Return once nothing announced is still on its way (every output expected has
+        arrived, been released or been written off with the group).  Unbounded: callers
+        bound it.  Backends whose workers hold more add their own drain."""
+        if self._pump is not None:
+            await self._pump.wait_settled()
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the worker group failed, EngineClosedError if closed."""
@@ -267,24 +286,22 @@ def raise_rank_failures(method: str, replies: dict[int, dict[str, Any]]) -> None
     )
 
 
+# The built-in backends, by import path: base never imports a backend (they import base).
+BUILTIN_BACKENDS: dict[str, str] = {
+    "inproc": "omni_trio.executors.inproc:InprocExecutor",
+    "tractor": "omni_trio.executors.tractor_executor:TractorExecutor",
+    "ray": "omni_trio.executors.ray_executor:RayExecutor",
+}
+
+
 def resolve_executor_class(backend: Any) -> type[Executor]:
-    """Map ``EngineConfig.backend`` to an executor class."""
+    """Map ``EngineConfig.backend`` (a built-in name, an import path ``"pkg.mod:Class"`` or
+    an :class:`Executor` subclass) to an executor class; :class:`InvalidConfigError` if it
+    names none."""
     if isinstance(backend, type):
         cls: Any = backend
-    elif backend == "inproc":
-        from .inproc import InprocExecutor
-
-        cls = InprocExecutor
-    elif backend == "tractor":
-        from .tractor_executor import TractorExecutor
-
-        cls = TractorExecutor
-    elif backend == "ray":
-        from .ray_executor import RayExecutor
-
-        cls = RayExecutor
-    elif isinstance(backend, str) and ":" in backend:
-        module_name, _, attr = backend.partition(":")
+    elif isinstance(backend, str) and (backend in BUILTIN_BACKENDS or ":" in backend):
+        module_name, _, attr = BUILTIN_BACKENDS.get(backend, backend).partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:

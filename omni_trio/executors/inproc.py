@@ -158,6 +158,9 @@ class InprocExecutor(Executor):
                     on_cancel=functools.partial(self.stop_flags.abort, ids),
                 )
                 nursery.cancel_scope.cancel()
+                # An abort that came after the worker forgot the forward's flags (between
+                # the thread's return and now) is over too.
+                self.stop_flags.forget(ids)
             if stalled:
                 raise stalled[0]
             return result

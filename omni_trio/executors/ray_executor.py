@@ -52,6 +52,7 @@ from typing import Any
 import trio
 from trio_typing import TaskStatus
 
+from .._core.health import WorkerStatus
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
 from ._process import wait_exited
@@ -679,7 +680,11 @@ class RayExecutor(GroupExecutor):
             if link is None:
                 out.append(entry)
                 continue
-            state = "failed" if link.dead and entry.state == "running" else entry.state
+            state = (
+                WorkerStatus.FAILED
+                if link.dead and entry.state is WorkerStatus.RUNNING
+                else entry.state
+            )
             out.append(WorkerState(entry.rank, state, pid=link.pid, steps=link.steps))
         return out
 

@@ -116,19 +116,38 @@ class _Result:
     failure: BaseException | None = None
 
 
+# What a claim's callback is given: (payload, None) or (None, the error).
+OutputCallback = Callable[[Any, "BaseException | None"], None]
+
+
 class _Waiter:
-    """One wait.  ``result`` is written once, by the pump, then ``event`` is set."""
+    """One wait.  ``result`` is written once, by the pump, then ``event`` is set (and a
+    claim's ``callback`` called)."""
 
-    __slots__ = ("awaited", "event", "result")
+    __slots__ = ("awaited", "callback", "event", "result")
 
-    def __init__(self) -> None:
+    def __init__(self, callback: OutputCallback | None = None) -> None:
         self.event = trio.Event()
         self.result: _Result | None = None
         self.awaited = False  # a wait_* call has claimed it (one waiter per id)
+        self.callback = callback
 
     def resolve(self, result: _Result) -> None:
         self.result = result
         self.event.set()
+        callback = self.callback
+        if callback is None:
+            return
+        self.callback = None
+        try:
+            if result.failure is not None:
+                callback(None, result.failure)
+            elif result.error is not None:
+                callback(None, WorkerError(result.error, error_type=result.error_type))
+            else:
+                callback(result.value, None)
+        except Exception:  # the claimant's bug must not take the pump down
+            log.exception("output callback failed")
 
 
 class ResultPump:
@@ -171,6 +190,8 @@ class ResultPump:
         # tombstone only for these, so an unknown key never leaves one forever.
         self._expected: set[str] = set()
         self._discarded = 0
+        # Pulsed whenever something outstanding may have gone (an arrival, a drop, failure).
+        self._changed = trio.Event()
 
     @property
     def _name(self) -> str:
@@ -230,6 +251,7 @@ class ResultPump:
                 self._on_rpc_reply(reply)
         except Exception:  # a bug here must not take the reader down with it
             log.exception("result pump of %s could not handle %r", self._name, reply)
+        self._pulse()
 
     def _on_rpc_reply(self, reply: AsyncOutput) -> None:
         waiter = self._rpcs.get(reply.rpc_id) if reply.rpc_id is not None else None
@@ -409,6 +431,30 @@ class ResultPump:
         )
         return self._unwrap(result)
 
+    def claim(self, key: str, callback: OutputCallback) -> None:
+        """Take the payload of an async output without waiting for it: ``callback(payload,
+        None)`` is called, on the pump's thread, when it arrives (at once, before this
+        returns, if it already has), or ``callback(None, error)`` if it cannot come (an
+        ``OUTPUT_READY`` error: :class:`WorkerError`; the pump failed: its failure).  A claim
+        is not bounded in time: its owner keeps the deadline.  :meth:`drop` withdraws it.
+
+        Raises as :meth:`wait_output` does for a failed pump, a key already awaited or
+        claimed, or a split batch id.  No checkpoint.
+        """
+        self._raise_if_failed()
+        if key in self._waiting:
+            raise RuntimeError(f"output {key!r} is already awaited")
+        if key in self._splits:
+            raise ValueError(f"output {key!r} is split; claim its per-request keys")
+        waiter = _Waiter(callback)
+        waiter.awaited = True
+        cached = self._cached.pop(key, None)
+        if cached is not None:
+            waiter.resolve(cached)
+        else:
+            self._dropped.discard(key)
+            self._waiting[key] = waiter
+
     def _abandon_output(self, key: str, waiter: _Waiter) -> None:
         if self._waiting.get(key) is waiter:
             del self._waiting[key]
@@ -449,8 +495,16 @@ class ResultPump:
         batch registered for splitting drops all its parts; a key some task is waiting for is
         left alone.  Returns whether anything was dropped.  Idempotent; no checkpoint.
         """
-        if self._failure is not None or key in self._waiting:
+        if self._failure is not None:
             return False
+        waiter = self._waiting.get(key)
+        if waiter is not None:
+            if waiter.callback is None:
+                return False  # a task waits for it: it decides
+            del self._waiting[key]  # a claim: withdrawn, the arrival is released
+            self._dropped.add(key)
+            self._pulse()
+            return True
         request_ids = self._splits.get(key)
         if request_ids is not None:
             for rid in request_ids:
@@ -459,6 +513,7 @@ class ResultPump:
         cached = self._cached.pop(key, None)
         if cached is not None:
             self._release_result(cached)
+            self._pulse()
             return True
         if key in self._expected or key in self._dropped:
             self._dropped.add(key)
@@ -493,6 +548,7 @@ class ResultPump:
         self._expected.clear()
         for result in cached:
             self._release_result(result)
+        self._pulse()
 
     @property
     def failed(self) -> bool:
@@ -503,6 +559,39 @@ class ResultPump:
             raise self._failure.with_traceback(None)
 
     # ------------------------------------------------------------------ introspection
+
+    def is_settled(self) -> bool:
+        """Nothing is outstanding: no output expected, awaited, claimed, tombstoned (its late
+        arrival still to be released), unsplit or cached, and no rpc unanswered."""
+        return not (
+            self._expected
+            or self._waiting
+            or self._dropped
+            or self._splits
+            or self._cached
+            or any(w.result is None for w in self._rpcs.values())
+        )
+
+    async def wait_settled(self) -> None:
+        """Return once :meth:`is_settled` (at once if it is).  Unbounded: callers bound it;
+        cancelling it is harmless."""
+        while not self.is_settled():
+            await self._changed.wait()
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """The per-request resources the pump holds, by kind, as owning request ids (see
+        :func:`omni_trio.testing.check_leftovers`).  A whole-batch entry that is not split
+        yet is owned by every request its payload (when it has arrived) names."""
+        return {
+            "pump_claims": {_owner(k) for k in self._waiting},
+            "pump_cached": {rid for k, r in self._cached.items() for rid in _owners(k, r.value)},
+            "pump_tombstones": {_owner(k) for k in self._dropped},
+            "pump_unsplit": {rid for ids in self._splits.values() for rid in ids},
+        }
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     def statistics(self) -> ResultPumpStatistics:
         return ResultPumpStatistics(
@@ -592,6 +681,19 @@ class ResultPump:
             self._on_discard(payload)
         except Exception:
             log.exception("%s: on_discard failed for a discarded payload", self._name)
+
+
+def _owner(key: str) -> str:
+    """The request a per-request key ``{batch_id}/{request_id}`` belongs to (ids may hold
+    "/"), or the key itself for a whole output."""
+    _, sep, rid = key.partition("/")
+    return rid if sep else key
+
+
+def _owners(key: str, payload: Any) -> list[str]:
+    if "/" not in key and isinstance(payload, BatchRunnerOutput):
+        return list(payload.outputs) or [key]
+    return [_owner(key)]
 
 
 def _first(ids: Iterable[str]) -> str:

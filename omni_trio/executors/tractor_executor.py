@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 import trio
 from trio_typing import TaskStatus
 
+from .._core.health import WorkerStatus
 from .._core.messages import AsyncOutput
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
@@ -271,6 +272,7 @@ class TractorExecutor(GroupExecutor):
     different: its runtime outlives the engine, so the workers nest in it.)
     """
 
+    one_per_process = True
     # The executor whose ``serve`` opened this process's tractor runtime, if any.  Class
     # state because tractor's runtime is process state.
     _runtime_owner: ClassVar[TractorExecutor | None] = None
@@ -739,8 +741,8 @@ class TractorExecutor(GroupExecutor):
                 out.append(entry)
                 continue
             state = entry.state
-            if link.exit_code is not None and state == "running":
-                state = "failed"
+            if link.exit_code is not None and state is WorkerStatus.RUNNING:
+                state = WorkerStatus.FAILED
             out.append(WorkerState(entry.rank, state, pid=link.pid, steps=link.steps))
         return out
 

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from .._core.model_info import FAMILIES as FAMILIES
+from .._core.model_info import Family as Family
+from .._core.model_info import ModelInfo as ModelInfo
 from .._core.request import DiffusionRequest
 
 if TYPE_CHECKING:
@@ -37,8 +40,6 @@ __all__ = [
     "StepHook",
 ]
 
-Family = Literal["text2image", "unconditional", "echo"]
-FAMILIES: tuple[str, ...] = ("text2image", "unconditional", "echo")
 ModelOutputType = Literal["np", "latent"]
 MODEL_OUTPUT_TYPES: tuple[str, ...] = ("np", "latent")
 
@@ -52,26 +53,6 @@ class StepHook(Protocol):
     """
 
     def __call__(self, step: int, total: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the runner may rely on about a loaded model.
-
-    ``name`` is the built-in name (``builtin:tiny-sd``) or the local path as given.
-    ``supports_batch``: several requests may share one :meth:`DiffusionModel.generate` call.
-    ``default_height``/``default_width`` are used when a request leaves its size ``None``.
-    ``text_conditioned``: the output depends on the prompt (and negative prompt).
-    ``supports_steps``: :meth:`DiffusionModel.step_adapter` returns an adapter (step mode).
-    """
-
-    name: str
-    family: Family
-    supports_batch: bool
-    default_height: int
-    default_width: int
-    text_conditioned: bool
-    supports_steps: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,6 +198,8 @@ class DiffusersModel(DiffusionModel):
             default_width=width,
             text_conditioned=text_conditioned,
             supports_steps=adapter is not None,
+            # An unconditional UNet renders the one size it was trained at.
+            fixed_size=family == "unconditional",
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.

@@ -50,6 +50,7 @@ from ..errors import (
     InvalidConfigError,
     OmniTrioError,
 )
+from ..executors.base import resolve_executor_class
 from ..runtime.engine import AsyncEngine, open_engine
 from ..runtime.request_stream import RequestStream
 from ..supervisor import ChildSpec, ChildState, RestartPolicy, Strategy, Supervisor, SupervisorEvent
@@ -200,10 +201,12 @@ class _StartedAs:
 
 
 def _refuses_replicas(backend: Any) -> bool:
-    if backend == "tractor":
-        return True
-    module = getattr(backend, "__module__", "") if isinstance(backend, type) else str(backend)
-    return "tractor_executor" in module
+    """The backend's executor allows one per process (an unresolvable one is the engine's
+    to report)."""
+    try:
+        return resolve_executor_class(backend).one_per_process
+    except InvalidConfigError:
+        return False
 
 
 class EnginePool:
@@ -480,7 +483,8 @@ class EnginePool:
             stats: dict[str, Any] | None = None
             if engine is not None:
                 health = engine.health()
-                state, healthy, reason = health.state, health.healthy, health.reason
+                state: str = health.state
+                healthy, reason = health.healthy, health.reason
                 worker_restarts += health.restarts
                 stats = dataclasses.asdict(engine.statistics())
             else:

@@ -23,6 +23,7 @@ from .invariants import INVARIANTS as INVARIANTS
 from .invariants import InvariantViolation as InvariantViolation
 from .invariants import Violation as Violation
 from .invariants import assert_trace_ok as assert_trace_ok
+from .invariants import check_leftovers as check_leftovers
 from .invariants import check_trace as check_trace
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "WorkerCrashInjected",
     "WorkerFatalError",
     "assert_trace_ok",
+    "check_leftovers",
     "check_trace",
     "leftover_resources",
     "run_driven",

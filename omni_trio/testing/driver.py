@@ -38,7 +38,7 @@ from .._core.messages import DiffusionOutput
 from .._core.request import DiffusionRequest, SamplingParams
 from .._core.trace import TraceKind, TraceRecorder
 from ..config import EngineConfig
-from ..errors import WorkerError
+from ..errors import OmniTrioError, WorkerError
 from ..ipc import list_our_segments
 from ..runtime.engine import AsyncEngine, open_engine
 
@@ -281,6 +281,38 @@ class EngineDriver:
             return await engine.collective_rpc(method, *args, timeout=timeout)
 
         return self.run(call)
+
+    def leftovers(self) -> tuple[dict[str, set[str]], frozenset[str]]:
+        """What the engine holds now, by kind (``AsyncEngine.leftovers()``), and the ids of
+        the forward in flight; see :func:`~omni_trio.testing.check_leftovers`."""
+        engine = self._engine()
+        result: tuple[dict[str, set[str]], frozenset[str]] = self.call(
+            lambda: (engine.leftovers(), engine.core.in_flight_ids())
+        )
+        return result
+
+    def settle(self, *, timeout: float = 30.0) -> dict[str, set[str]] | None:
+        """Wait until the engine is idle and its workers drained, then return everything
+        held by the engine and its workers (the ``leftovers`` RPC); None if it did not
+        settle within ``timeout`` (INV-6)."""
+        engine = self._engine()
+
+        async def wait() -> dict[str, set[str]] | None:
+            with trio.move_on_after(timeout):
+                await engine.wait_idle()
+                held = engine.leftovers()
+                if engine.core.accepting:
+                    try:
+                        workers = await engine.worker_leftovers()
+                    except OmniTrioError:  # the group failed under it: its state is gone
+                        workers = {}
+                    for kind, ids in workers.items():
+                        held.setdefault(kind, set()).update(ids)
+                return held
+            return None
+
+        result: dict[str, set[str]] | None = self.run(wait)
+        return result
 
     def sleep(self, seconds: float) -> None:
         async def pause() -> None:

@@ -52,16 +52,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._core.faults import FAULT_DOCS as FAULT_DOCS
+from .._core.faults import FAULTS_KEY as FAULTS_KEY
+from .._core.faults import PROCESS_ONLY_FAULTS as PROCESS_ONLY_FAULTS
+from .._core.faults import Fault as Fault
+from .._core.faults import FaultSpec as FaultSpec
+from .._core.faults import parse_faults as parse_faults
 from .._core.request import SamplingParams
-from ..worker.faults import FAULT_DOCS as FAULT_DOCS
-from ..worker.faults import FAULTS_KEY as FAULTS_KEY
-from ..worker.faults import PROCESS_ONLY_FAULTS as PROCESS_ONLY_FAULTS
-from ..worker.faults import Fault as Fault
 from ..worker.faults import FaultInjectedError as FaultInjectedError
-from ..worker.faults import FaultSpec as FaultSpec
 from ..worker.faults import WorkerCrashInjected as WorkerCrashInjected
 from ..worker.faults import WorkerFatalError as WorkerFatalError
-from ..worker.faults import parse_faults as parse_faults
 
 __all__ = [
     "FAULTS_KEY",

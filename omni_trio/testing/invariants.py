@@ -7,6 +7,11 @@ list means the trace is clean.  ``assert_trace_ok`` raises :class:`InvariantViol
 Each check is also public on its own (``check_inv1_single_owner`` ...
 ``check_inv7_prompt_cancellation``).
 
+``check_leftovers(held, events)`` holds what the components *say they hold* (the engine's
+``leftovers()`` and ``worker_leftovers()``: resource kind -> owning request ids) against the
+trace: nothing may be held for a request that is not live, and every live request must be
+held by the core.  It names the owning request of every violation (see :data:`STRICT_KINDS`).
+
 How a trace is read:
 
 - An *incarnation* of a request id runs from its ADMIT to its CLEANUP.  The id may be admitted
@@ -38,7 +43,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +52,9 @@ from .._core.trace import TraceEvent, TraceKind
 
 __all__ = [
     "INVARIANTS",
+    "SETTLING_KINDS",
     "STALL_PHASES",
+    "STRICT_KINDS",
     "InvariantViolation",
     "Violation",
     "assert_trace_ok",
@@ -58,6 +65,7 @@ __all__ = [
     "check_inv5_identity",
     "check_inv6_bounded_waits",
     "check_inv7_prompt_cancellation",
+    "check_leftovers",
     "check_trace",
 ]
 
@@ -737,3 +745,115 @@ def assert_trace_ok(
     )
     if violations:
         raise InvariantViolation(violations)
+
+
+# --------------------------------------------------------------------------------------------
+# Leftovers: what the components hold, against the trace
+
+#: Kinds that may only ever hold live requests: they are released in the same synchronous
+#: step that ends the request (the engine core, its streams, the result pump's claims and
+#: split outputs; a whole-batch output may wait for its forward's reply: ``in_flight``).
+STRICT_KINDS = frozenset(
+    {
+        "requests",
+        "scheduler_states",
+        "streams",
+        "awaited_outputs",
+        "engine_streams",
+        "pump_claims",
+        "pump_cached",
+    }
+)
+#: Kinds released once the work in flight for a request has drained (a forward reaching
+#: its step boundary, a packer finishing, a late arrival being released): checked only when
+#: the engine is settled (``wait_idle``), and then they too must hold only live requests.
+SETTLING_KINDS = frozenset(
+    {
+        "pump_tombstones",
+        "pump_unsplit",
+        "runner_progress",
+        "step_states",
+        "stop_flags",
+        "packer_queue",
+    }
+)
+
+
+def _live_ids(t: _Trace) -> tuple[set[str], set[str]]:
+    """(ids with a live incarnation, ids of every incarnation seen) of a grouped trace."""
+    live: set[str] = set()
+    seen: set[str] = set()
+    for inc in t.incarnations:
+        seen.add(inc.rid)
+        if inc.partial:
+            continue
+        if inc.cleaned:
+            live.discard(inc.rid)
+        else:
+            live.add(inc.rid)
+    return live, seen
+
+
+def check_leftovers(
+    held: Mapping[str, Collection[str]],
+    events: Iterable[TraceEvent],
+    *,
+    in_flight: Collection[str] = (),
+    settled: bool = False,
+) -> list[Violation]:
+    """INV-3 over what the components hold now: ``held`` maps a resource kind to the ids of
+    the requests it holds something for (``AsyncEngine.leftovers()``, merged with
+    ``worker_leftovers()`` when ``settled``).
+
+    - A :data:`STRICT_KINDS` kind may hold only live requests (admitted in ``events`` and
+      not cleaned up); ``pump_cached`` may also hold ``in_flight`` ids (a whole batch whose
+      forward's reply has not been applied yet).
+    - With ``settled`` (the engine is idle and its workers drained), so may every other kind.
+    - Every live request is held by the core (``requests``): none is lost.
+    - The core and its shell agree: ``streams`` equals ``engine_streams`` and
+      ``awaited_outputs`` equals ``pump_claims`` (each awaited output is claimed from the
+      pump, and nothing else is).
+
+    Ids whose incarnation began before a truncated trace are not judged.
+    """
+    t = _build(events, None)
+    live, seen = _live_ids(t)
+    truncated = bool(t.incarnations) and any(inc.partial for inc in t.incarnations)
+    flying = set(in_flight)
+    r = _Report(t, "INV-3")
+    latest = {inc.rid: inc for inc in t.incarnations}
+
+    def fail(rid: str, message: str) -> None:
+        inc = latest.get(rid)
+        if inc is not None:
+            r.inc(inc, message)
+        else:
+            r.items.append(Violation("INV-3", message, rid, tuple(t.strays.get(rid, ())), None))
+
+    for kind in sorted(held):
+        strict = kind in STRICT_KINDS
+        if not strict and not settled:
+            continue
+        for rid in sorted(held[kind]):
+            if rid in live:
+                continue
+            if kind == "pump_cached" and rid in flying:
+                continue
+            if truncated and rid not in seen:
+                continue
+            state = "cleaned up" if rid in seen else "never admitted"
+            when = "" if strict else " after the engine settled"
+            fail(rid, f"{kind} still holds request {rid!r}{when}, which is {state}")
+    if "requests" in held:
+        for rid in sorted(live - set(held["requests"])):
+            fail(rid, f"request {rid!r} is live in the trace but the engine core holds nothing")
+    for core_kind, shell_kind in (
+        ("streams", "engine_streams"),
+        ("awaited_outputs", "pump_claims"),
+    ):
+        if core_kind in held and shell_kind in held:
+            mine, theirs = set(held[core_kind]), set(held[shell_kind])
+            for rid in sorted(mine ^ theirs):
+                has, lacks = (core_kind, shell_kind) if rid in mine else (shell_kind, core_kind)
+                fail(rid, f"{has} holds request {rid!r} but {lacks} does not")
+    return _sorted(r.items)

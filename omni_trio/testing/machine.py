@@ -3,10 +3,12 @@
 :func:`make_engine_machine` builds a ``RuleBasedStateMachine`` for one backend and mode.
 Each example opens a real engine on ``builtin:echo`` (whose images name their request and
 seed) and applies rules -- submit (random steps, seed and an optional fault), abort, drop a
-consumer, let time pass, crash a worker, RPC, close and reopen -- checking the invariant
-checker over the trace after every rule (no violation may ever appear, even mid-flight) and,
-when an engine closes, over its whole trace plus a small reference model of what each
-request must have ended as:
+consumer, let time pass, crash a worker, RPC, wait for everything, close and reopen --
+checking after every rule the invariant checker over the trace and
+:func:`~omni_trio.testing.check_leftovers` over what every engine-side component holds (no
+violation may ever appear, even mid-flight; ``wait_for_everything`` lets the engine settle
+and then checks the workers' state too), and, when an engine closes, its whole trace plus a
+small reference model of what each request must have ended as:
 
 * a request with no fault, not aborted, not dropped, not caught by a close and not exposed
   to a fault (another request's fault or a crash while it was live) completes;
@@ -44,7 +46,7 @@ from ..config import EngineConfig
 from ..errors import OmniTrioError
 from .driver import EngineDriver, leftover_resources, run_driven
 from .faults import Fault, FaultSpec, with_faults
-from .invariants import InvariantViolation, check_trace
+from .invariants import InvariantViolation, check_leftovers, check_trace
 
 __all__ = [
     "BENIGN_FAULTS",
@@ -329,9 +331,20 @@ def make_engine_machine(
         @precondition(lambda self: self.driver.is_open)
         @rule()
         def wait_for_everything(self) -> None:
-            assert self.driver.wait_finished(timeout=options.settle_timeout_s), (
+            """Every consumer is done, the engine settles, and then nothing anywhere (core,
+            streams, pump, runner and step state, stop flags, packer) holds a request."""
+            driver = self.driver
+            assert driver.wait_finished(timeout=options.settle_timeout_s), (
                 "requests did not finish within the settle timeout (INV-6)"
             )
+            held = driver.settle(timeout=options.settle_timeout_s)
+            assert held is not None, "the engine did not settle within the timeout (INV-6)"
+            events = driver.call(lambda: driver.trace.events)
+            stats.invariant_checks += 1
+            violations = check_leftovers(held, events, settled=True)
+            if violations:
+                stats.last_trace = events
+                raise InvariantViolation(violations)
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open and options.close_rule)
@@ -343,11 +356,17 @@ def make_engine_machine(
 
         @invariant()
         def no_violation_so_far(self) -> None:
-            if not self.driver.is_open:
+            """The trace so far, and what every component holds now, break no invariant."""
+            driver = self.driver
+            if not driver.is_open:
                 return
             stats.invariant_checks += 1
-            events = self.driver.call(lambda: self.driver.trace.events)
-            violations = check_trace(events)
+            engine = driver.engine
+            assert engine is not None
+            events, held, flying = driver.call(
+                lambda: (driver.trace.events, engine.leftovers(), engine.core.in_flight_ids())
+            )
+            violations = check_trace(events) + check_leftovers(held, events, in_flight=flying)
             if violations:
                 stats.last_trace = events
                 raise InvariantViolation(violations)

@@ -98,6 +98,9 @@ class OutputPacker:
         self._stop_queued = False
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # output id -> the request ids of a submitted output (when it names them), until its
+        # OUTPUT_READY was sent.  Guarded by _state.
+        self._owners: dict[str, tuple[str, ...]] = {}
 
     @property
     def pending(self) -> int:
@@ -109,6 +112,12 @@ class OutputPacker:
     def closed(self) -> bool:
         with self._state:
             return self._closed
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """``packer_queue``: the requests whose outputs are submitted and not sent yet (for
+        outputs with ``request_ids``, like a runner's forwarded batch).  Any thread."""
+        with self._state:
+            return {"packer_queue": {rid for ids in self._owners.values() for rid in ids}}
 
     def send(self, message: AsyncOutput) -> None:
         """Send any reply through the worker's single writer (e.g. an ``RPC_RESULT``)."""
@@ -141,6 +150,9 @@ class OutputPacker:
                 AsyncOutput(AsyncOutputKind.COMPUTE_DONE, rpc_id=rpc_id, async_output_id=output_id)
             )
             self._pending += 1
+            owners = getattr(output, "request_ids", None)
+            if isinstance(owners, tuple):
+                self._owners[output_id] = owners
             if self._thread is None:
                 self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
                 self._thread.start()
@@ -197,12 +209,14 @@ class OutputPacker:
             job = self._jobs.get()
             if job is None:
                 return
+            output_id = job[0]
             try:
                 self._finish(*job)
             finally:
                 del job  # drop the output (device memory) before waiting for the next one
                 with self._state:
                     self._pending -= 1
+                    self._owners.pop(output_id, None)  # if _finish did not get that far
                     self._state.notify_all()
 
     def _finish(self, output_id: str, output: Any, ready: ReadyEvent | None) -> None:
@@ -223,6 +237,8 @@ class OutputPacker:
                 AsyncOutputKind.OUTPUT_READY, async_output_id=output_id, result=packed
             )
         del output
+        with self._state:  # before the send: whoever receives it sees nothing held here
+            self._owners.pop(output_id, None)
         try:
             self.send(message)
         except Exception:

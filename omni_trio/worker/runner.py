@@ -188,6 +188,10 @@ class ModelRunner:
         self._model = model
         return model.info
 
+    def leftovers(self) -> dict[str, set[str]]:
+        """Per-request state this runner holds (step mode: step states)."""
+        return self._step_runner.leftovers() if self._step_runner is not None else {}
+
     def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Step mode: one denoising step for every scheduled request (see StepRunner)."""
         if self._step_runner is None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
@@ -85,6 +85,10 @@ class StepRunner:
         )
         # Fault plans of live requests that have faults (and only those).
         self._fault_plans: dict[str, FaultPlan] = {}
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """``step_states``: requests this runner holds step state (or a fault plan) for."""
+        return {"step_states": snapshot_keys(self.states) | snapshot_keys(self._fault_plans)}
 
     def evict(self, request_ids: Sequence[str] | frozenset[str]) -> None:
         """Drop the state of requests that are over (finished, aborted or unknown ids)."""
@@ -205,9 +209,15 @@ class StepRunner:
                         images=self._decode(state),
                         finished=False,
                         step_index=state.step_index,
+                        total_steps=state.total_steps,
                     )
                 else:
-                    outputs[rid] = RunnerOutput(rid, finished=False, step_index=state.step_index)
+                    outputs[rid] = RunnerOutput(
+                        rid,
+                        finished=False,
+                        step_index=state.step_index,
+                        total_steps=state.total_steps,
+                    )
             except WorkerFatalError:
                 raise
             except Exception as exc:
@@ -242,3 +252,12 @@ class StepRunner:
 
     def close(self) -> None:
         self.evict(list(self.states))
+
+
+def snapshot_keys(mapping: Mapping[str, Any]) -> set[str]:
+    """A copy of ``mapping``'s keys, safe while another thread resizes it."""
+    while True:
+        try:
+            return set(mapping)
+        except RuntimeError:  # pragma: no cover - resized meanwhile
+            continue

@@ -53,3 +53,11 @@ class StopFlags:
 
     def __len__(self) -> int:
         return len(self._aborted)
+
+    def aborted_ids(self) -> set[str]:
+        """The ids flagged now (a copy; any thread)."""
+        while True:
+            try:
+                return set(self._aborted)
+            except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
+                continue

@@ -29,6 +29,7 @@ from ..errors import InvalidConfigError
 from .faults import FaultInjector
 from .output_packer import OutputPacker, record_ready_event
 from .runner import ForwardedBatch, ModelRunner, StepProgress
+from .step_runner import snapshot_keys
 from .stop_flags import StopFlags
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ RPC_METHODS = frozenset(
         "execute_scheduler_output",
         "execute_stepwise",
         "drain_outputs",
+        "leftovers",
         "set_torch_threads",
     }
 )
@@ -259,7 +261,11 @@ class Worker:
         runner = self._runner()
         self.stop_flags.forget(scheduler_output.finished_req_ids)
         requests = [r.request for r in scheduler_output.scheduled_new_reqs]
-        done, forwarded = runner.forward_batch(requests)
+        try:
+            done, forwarded = runner.forward_batch(requests)
+        finally:
+            # The forward is over: its requests' stop flags have done their job.
+            self.stop_flags.forget(scheduler_output.scheduled_request_ids)
         if not forwarded.items:
             return done
         faults = forwarded.faults
@@ -292,7 +298,23 @@ class Worker:
 
     def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Step mode: one denoising step for every scheduled request."""
-        return self._runner().execute_stepwise(scheduler_output)
+        try:
+            return self._runner().execute_stepwise(scheduler_output)
+        finally:
+            self.stop_flags.forget(scheduler_output.scheduled_request_ids)
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """The per-request resources this worker holds, by kind, as owning request ids:
+        ``runner_progress``, ``step_states``, ``stop_flags`` and ``packer_queue``.  Safe to
+        call from another thread while a forward runs (a snapshot)."""
+        runner = self.runner
+        held: dict[str, set[str]] = {"stop_flags": self.stop_flags.aborted_ids()}
+        held["runner_progress"] = snapshot_keys(self.progress)
+        if runner is not None:
+            held.update(runner.leftovers())
+        if self.packer is not None:
+            held.update(self.packer.leftovers())
+        return held
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "loaded": self.runner is not None}

@@ -17,7 +17,7 @@ from omni_trio.errors import InvalidTransition
 
 S = RequestStatus
 TERMINAL = [S.FINISHED_COMPLETED, S.FINISHED_ABORTED, S.FINISHED_ERROR]
-LIVE = [S.WAITING, S.RUNNING, S.PREEMPTED]
+LIVE = [S.WAITING, S.RUNNING, S.PREEMPTED, S.PACKING]
 
 # The diagram in DESIGN.md section 4, written out edge by edge.
 ALLOWED = {
@@ -25,12 +25,18 @@ ALLOWED = {
     (S.WAITING, S.FINISHED_ABORTED),
     (S.WAITING, S.FINISHED_ERROR),
     (S.RUNNING, S.PREEMPTED),
+    (S.RUNNING, S.PACKING),
     (S.RUNNING, S.FINISHED_COMPLETED),
     (S.RUNNING, S.FINISHED_ABORTED),
     (S.RUNNING, S.FINISHED_ERROR),
     (S.PREEMPTED, S.RUNNING),
     (S.PREEMPTED, S.FINISHED_ABORTED),
     (S.PREEMPTED, S.FINISHED_ERROR),
+    # Compute done, output still being packed (the batch slot is already free).
+    (S.PACKING, S.FINISHED_COMPLETED),
+    (S.PACKING, S.FINISHED_ERROR),
+    (S.PACKING, S.FINISHED_ABORTED),
+    (S.PACKING, S.PREEMPTED),
 }
 ILLEGAL = sorted(set(itertools.product(S, S)) - ALLOWED)
 
@@ -39,6 +45,7 @@ PATH_TO = {
     S.WAITING: [],
     S.RUNNING: [S.RUNNING],
     S.PREEMPTED: [S.RUNNING, S.PREEMPTED],
+    S.PACKING: [S.RUNNING, S.PACKING],
     S.FINISHED_COMPLETED: [S.RUNNING, S.FINISHED_COMPLETED],
     S.FINISHED_ABORTED: [S.FINISHED_ABORTED],
     S.FINISHED_ERROR: [S.FINISHED_ERROR],
@@ -109,7 +116,7 @@ def test_illegal_transition_raises_and_changes_nothing(
 
 def test_every_pair_is_classified() -> None:
     assert len(ALLOWED) + len(ILLEGAL) == len(S) ** 2
-    assert len(ILLEGAL) == 26
+    assert len(ILLEGAL) == 34
 
 
 @pytest.mark.parametrize("status", TERMINAL)
@@ -120,7 +127,7 @@ def test_terminal_states_have_no_way_out(status: RequestStatus) -> None:
 
 
 def test_finished_is_an_ordering_comparison() -> None:
-    assert [s.finished for s in S] == [False, False, False, True, True, True]
+    assert [s.finished for s in S] == [False, False, False, False, True, True, True]
     for live, done in itertools.product(LIVE, TERMINAL):
         assert live < done
     assert all(s.finished == (s >= S.FINISHED_COMPLETED) for s in S)

@@ -416,13 +416,39 @@ def test_outputs_for_unscheduled_ids_are_ignored(cls: SchedulerType) -> None:
     assert status(sched, "r2") is S.WAITING
 
 
-def test_request_mode_async_output_id_counts_as_a_result() -> None:
+def test_request_mode_async_output_id_moves_to_packing_and_frees_the_slot() -> None:
     sched = RequestScheduler(1)
-    add_all(sched, "r1")
+    add_all(sched, "r1", "r2")
     out = sched.schedule(1.0)
     result = RunnerOutput("r1", async_output_id="b1/r1")
-    assert sched.update_from_output(out, batch(result), 2.0) == ["r1"]
-    assert status(sched, "r1") is S.FINISHED_COMPLETED
+    # Compute done, output still packing: not terminal, but out of the batch.
+    assert sched.update_from_output(out, batch(result), 2.0) == []
+    assert status(sched, "r1") is S.PACKING
+    assert (sched.num_running, sched.num_packing) == (0, 1)
+    assert sched.packing_request_ids() == ("r1",)
+    assert sched.live_request_ids() == ["r1", "r2"]
+    # The next wave is admitted while r1's output is packed.
+    assert sched.schedule(2.5).scheduled_request_ids == ("r2",)
+    # The output arrives: r1 completes, and is reported finished once.
+    assert sched.finish_requests("r1", S.FINISHED_COMPLETED, 3.0) == ["r1"]
+    assert sched.num_packing == 0
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.history == [S.WAITING, S.RUNNING, S.PACKING, S.FINISHED_COMPLETED]
+    assert state.finished_at == 3.0
+
+
+def test_a_packing_request_whose_output_is_lost_goes_back_to_the_front() -> None:
+    sched = RequestScheduler(1)
+    add_all(sched, "r1", "r2")
+    out = sched.schedule(1.0)
+    sched.update_from_output(out, batch(RunnerOutput("r1", async_output_id="b1/r1")), 2.0)
+    assert sched.preempt_request("r1") is True
+    state = sched.get_request_state("r1")
+    assert state is not None
+    assert state.history == [S.WAITING, S.RUNNING, S.PACKING, S.PREEMPTED]
+    assert (sched.num_packing, sched.num_waiting) == (0, 2)
+    assert sched.schedule(3.0).scheduled_request_ids == ("r1",)
 
 
 def test_request_mode_output_without_result_is_an_error() -> None:

@@ -728,3 +728,129 @@ async def test_thread_sender_releases_what_a_closed_pump_cannot_take() -> None:
     await wait_all_tasks_blocked()
     assert released == [Payload("orphan")]
     sender.close()
+
+
+# --------------------------------------------------------------------------- claims
+
+
+class Claimant:
+    """Records what a claim's callback is given."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[Any, BaseException | None]] = []
+
+    def __call__(self, payload: Any, error: BaseException | None) -> None:
+        self.got.append((payload, error))
+
+
+async def test_a_claim_is_called_back_on_arrival_or_at_once_if_cached() -> None:
+    async with running_pump() as h:
+        pump = h.pump
+        pump.register_batch_split("b1", ["a", "b"])
+        early, late = Claimant(), Claimant()
+        pump.claim("b1/a", late)
+        assert pump.leftovers()["pump_claims"] == {"a"}
+        assert not pump.is_settled()
+        await h.deliver(output_ready("b1", batch("a", "b")))
+        assert [p.images for p, e in late.got] == [("img-a",)]
+        assert pump.leftovers()["pump_cached"] == {"b"}
+        pump.claim("b1/b", early)  # already there: called back before claim returns
+        assert [p.images for p, e in early.got] == [("img-b",)]
+        assert pump.is_settled()
+        h.assert_idle()
+
+
+async def test_dropping_a_claim_releases_the_late_arrival() -> None:
+    async with running_pump() as h:
+        pump = h.pump
+        pump.register_batch_split("b1", ["a"])
+        claimant = Claimant()
+        pump.claim("b1/a", claimant)
+        assert pump.drop("b1/a") is True
+        assert pump.leftovers()["pump_tombstones"] == {"a"}
+        await h.deliver(output_ready("b1", batch("a")))
+        assert claimant.got == []
+        assert len(h.released) == 1  # released, never cached
+        assert pump.is_settled()
+        h.assert_idle()
+
+
+async def test_a_failed_pump_calls_every_claim_back_with_its_failure() -> None:
+    async with running_pump() as h:
+        pump = h.pump
+        pump.register_batch_split("b1", ["a"])
+        claimant = Claimant()
+        pump.claim("b1/a", claimant)
+        pump.fail(EngineDeadError("group died"))
+        [(payload, error)] = claimant.got
+        assert payload is None and isinstance(error, EngineDeadError)
+        with pytest.raises(EngineDeadError):
+            pump.claim("b1/a", Claimant())
+
+
+async def test_a_remote_error_on_a_whole_output_reaches_the_claim_as_a_worker_error() -> None:
+    async with running_pump() as h:
+        claimant = Claimant()
+        h.pump.claim("whole", claimant)
+        await h.deliver(output_ready("whole", error="packing failed", error_type="OSError"))
+        [(payload, error)] = claimant.got
+        assert payload is None
+        assert isinstance(error, WorkerError) and error.error_type == "OSError"
+
+
+async def test_a_claim_whose_callback_raises_does_not_stop_the_pump(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(payload: Any, error: BaseException | None) -> None:
+        raise RuntimeError("claimant bug")
+
+    async with running_pump() as h:
+        h.pump.register_batch_split("b1", ["a", "b"])
+        h.pump.claim("b1/a", broken)
+        good = Claimant()
+        h.pump.claim("b1/b", good)
+        with caplog.at_level(logging.ERROR):
+            await h.deliver(output_ready("b1", batch("a", "b")))
+        assert "output callback failed" in caplog.text
+        assert len(good.got) == 1
+
+
+async def test_a_key_is_claimed_or_awaited_once() -> None:
+    async with running_pump() as h:
+        h.pump.claim("k", Claimant())
+        with pytest.raises(RuntimeError, match="already awaited"):
+            h.pump.claim("k", Claimant())
+        h.pump.register_batch_split("b", ["x"])
+        with pytest.raises(ValueError, match="split"):
+            h.pump.claim("b", Claimant())
+
+
+async def test_wait_settled_returns_once_nothing_is_outstanding() -> None:
+    async with running_pump() as h:
+        pump = h.pump
+        pump.register_batch_split("b1", ["a"])
+        pump.drop("b1")  # its request was aborted: the arrival is still expected
+        settled = trio.Event()
+
+        async def wait() -> None:
+            await pump.wait_settled()
+            settled.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await wait_all_tasks_blocked()
+            assert not settled.is_set()
+            await h.deliver(output_ready("b1", batch("a")))
+            await settled.wait()
+        assert pump.leftovers() == {
+            "pump_claims": set(),
+            "pump_cached": set(),
+            "pump_tombstones": set(),
+            "pump_unsplit": set(),
+        }
+
+
+async def test_an_unsplit_whole_batch_is_held_for_every_request_it_names() -> None:
+    async with running_pump() as h:
+        await h.deliver(output_ready("b1", batch("a", "b")))  # its COMPUTE_DONE is late
+        assert h.pump.leftovers()["pump_cached"] == {"a", "b"}

@@ -1422,3 +1422,72 @@ async def test_a_packing_failure_ends_the_request_with_an_error(
             assert engine.statistics().finished_error == 1
             engine.check_health()
     assert info.value.request_id == "bad"
+
+
+async def _until(predicate: Any) -> None:
+    """Wait for something another thread does (the worker's packer): it is no trio event."""
+    while True:
+        if predicate():
+            return
+        await trio.sleep(0.005)
+
+
+async def test_an_output_announced_for_a_request_aborted_meanwhile_is_released(
+    cache_dir: Path,
+) -> None:
+    """The INV-3 leak of issue #13: a request aborted after its forward finished but before
+    the forward's answer was applied (a client leaving as its image completes).  Its packed
+    output used to stay cached in the result pump until the worker group ended."""
+    from omni_trio.testing import Fault, FaultSpec, with_faults
+
+    # The worker sleeps after its forward, with the output already handed to the packer: the
+    # packed output reaches the pump while the forward's answer (its COMPUTE_DONE) is late.
+    late_answer = with_faults(
+        params(seed=3), FaultSpec(Fault.DELAY_COMPUTE_DONE, delay_s=GATE_S / 10)
+    )
+    with trio.fail_after(CAP_S):
+        async with echo_engine(cache_dir, async_output=True, fault_injection=True) as engine:
+            pump = engine.executor._pump  # type: ignore[attr-defined]
+            stream = engine.stream("p", late_answer, request_id="leaver")
+            # The whole batch's output is in the pump: the forward is done, its answer not.
+            await _until(lambda: pump.statistics().cached_outputs == 1)
+            assert engine.core.in_flight_ids() == {"leaver"}
+            engine.abort("leaver")
+            final = await stream.__anext__()
+            assert final.status is S.FINISHED_ABORTED
+            await engine.wait_idle()
+            stats = pump.statistics()
+            assert (stats.cached_outputs, stats.waiting_outputs, stats.dropped_outputs) == (0, 0, 0)
+            assert stats.discarded >= 1  # released, not just forgotten
+            held = engine.leftovers()
+            assert not any("leaver" in ids for ids in held.values()), held
+            # The engine goes on as before.
+            assert (await engine.generate("p", params(seed=4), request_id="next")).ok
+
+
+@pytest.mark.parametrize("step_execution", [False, True], ids=["request", "step"])
+async def test_once_idle_nothing_anywhere_holds_a_finished_request(
+    cache_dir: Path, step_execution: bool
+) -> None:
+    with trio.fail_after(CAP_S):
+        async with echo_engine(
+            cache_dir, async_output=True, max_num_seqs=2, step_execution=step_execution
+        ) as engine:
+            kept = engine.stream("p", params(seed=1, num_inference_steps=3), request_id="kept")
+            dropped = engine.stream("p", params(seed=2, num_inference_steps=3), request_id="left")
+            first = await kept.__anext__() if step_execution else None
+            await dropped.aclose()  # its consumer leaves mid-way
+            async for out in kept:
+                first = out
+            assert first is not None and first.ok
+            await engine.wait_idle()
+            assert engine.is_idle()
+            held = engine.leftovers()
+            workers = await engine.worker_leftovers()
+            assert {k: v for k, v in {**held, **workers}.items() if v} == {}
+            assert sorted(workers) == (
+                ["runner_progress", "step_states", "stop_flags"]
+                if step_execution
+                else ["packer_queue", "runner_progress", "stop_flags"]
+            )
+            assert engine.statistics().packing == 0

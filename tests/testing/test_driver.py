@@ -11,6 +11,7 @@ from omni_trio.testing import (
     EngineDriver,
     TraceKind,
     assert_trace_ok,
+    check_leftovers,
     leftover_resources,
     run_driven,
 )
@@ -111,5 +112,23 @@ def test_driver_misuse_is_refused(cache_dir: Path) -> None:
             driver.open(config(cache_dir))
         driver.close()
         driver.close()  # idempotent
+
+    run_driven(scenario)
+
+
+def test_leftovers_mid_flight_and_once_settled(cache_dir: Path) -> None:
+    def scenario(driver: EngineDriver) -> None:
+        driver.open(config(cache_dir, max_num_seqs=2))
+        running = driver.submit("a", params(1, steps=40))
+        held, flying = driver.leftovers()
+        assert running in held["requests"] and running in held["engine_streams"]
+        assert check_leftovers(held, driver.trace.events, in_flight=flying) == []
+        driver.abort(running)
+        settled = driver.settle(timeout=30)
+        assert settled is not None
+        assert {kind: ids for kind, ids in settled.items() if ids} == {}
+        assert "stop_flags" in settled  # the workers' part was asked for too
+        assert check_leftovers(settled, driver.trace.events, settled=True) == []
+        driver.close()
 
     run_driven(scenario)

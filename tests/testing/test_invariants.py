@@ -13,6 +13,7 @@ from omni_trio._core.trace import TraceEvent, TraceKind, TraceRecorder
 from omni_trio.testing.invariants import (
     INVARIANTS,
     STALL_PHASES,
+    STRICT_KINDS,
     InvariantViolation,
     Violation,
     assert_trace_ok,
@@ -23,6 +24,7 @@ from omni_trio.testing.invariants import (
     check_inv5_identity,
     check_inv6_bounded_waits,
     check_inv7_prompt_cancellation,
+    check_leftovers,
     check_trace,
 )
 
@@ -941,3 +943,74 @@ def test_hundred_thousand_events() -> None:
         live.clear()
     rec.record(now, K.CLOSED, detail={"leftovers": CLEAN_LEFTOVERS})
     assert check_trace(rec, max_idle_s=1.0, abort_latency_s=1.0) == []
+
+
+# -- leftovers ------------------------------------------------------------------------------
+
+
+def _two_requests() -> Trace:
+    """``live`` is still running; ``done`` has been cleaned up."""
+    t = Trace().admit("live").admit("done")
+    t.run("done")
+    t.end("done")
+    step = t.next_step()
+    t.schedule("live", step).start("live", step)
+    return t
+
+
+def test_leftovers_of_live_requests_only_are_clean() -> None:
+    t = _two_requests()
+    held = {
+        "requests": {"live"},
+        "streams": {"live"},
+        "engine_streams": {"live"},
+        "awaited_outputs": set(),
+        "pump_claims": set(),
+        "stop_flags": {"live"},
+    }
+    assert check_leftovers(held, t.events) == []
+    assert check_leftovers(held, t.events, settled=True) == []
+
+
+def test_a_strict_kind_holding_a_cleaned_up_request_names_it() -> None:
+    t = _two_requests()
+    held = {"requests": {"live"}, "pump_cached": {"done"}}
+    [v] = check_leftovers(held, t.events)
+    assert (v.invariant, v.request_id) == ("INV-3", "done")
+    assert "pump_cached still holds request 'done'" in v.message and "cleaned up" in v.message
+    assert [e.kind for e in v.history][-1] is K.CLEANUP
+    # A whole batch whose forward's answer is not applied yet may wait for it.
+    assert check_leftovers(held, t.events, in_flight={"done"}) == []
+
+
+def test_settling_kinds_are_judged_only_once_the_engine_settled() -> None:
+    t = _two_requests()
+    held = {"requests": {"live"}, "packer_queue": {"done"}, "stop_flags": {"ghost"}}
+    assert check_leftovers(held, t.events) == []
+    found = check_leftovers(held, t.events, settled=True)
+    assert [(v.request_id, "never admitted" in v.message) for v in found] == [
+        ("done", False),
+        ("ghost", True),
+    ]
+
+
+def test_a_live_request_the_core_does_not_hold_is_lost() -> None:
+    t = _two_requests()
+    [v] = check_leftovers({"requests": set()}, t.events)
+    assert v.request_id == "live" and "holds nothing" in v.message
+
+
+@pytest.mark.parametrize(
+    ("core_kind", "shell_kind"),
+    [("streams", "engine_streams"), ("awaited_outputs", "pump_claims")],
+)
+def test_the_core_and_its_shell_must_agree(core_kind: str, shell_kind: str) -> None:
+    t = _two_requests()
+    held = {"requests": {"live"}, core_kind: {"live"}, shell_kind: set()}
+    [v] = check_leftovers(held, t.events)
+    assert v.request_id == "live"
+    assert f"{core_kind} holds request 'live' but {shell_kind} does not" in v.message
+
+
+def test_every_engine_side_kind_is_strict() -> None:
+    assert {"requests", "streams", "engine_streams", "pump_claims", "pump_cached"} <= STRICT_KINDS

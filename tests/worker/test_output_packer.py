@@ -443,3 +443,24 @@ async def test_packer_thread_to_result_pump_end_to_end() -> None:
         packer.close(CAP_S)
     assert released == []
     assert pump.failed and pump.statistics().cached_outputs == 0
+
+
+def test_leftovers_name_the_requests_still_being_packed(gate: Gate) -> None:
+    seen_at_send: list[dict[str, set[str]]] = []
+    packer: OutputPacker
+
+    def reply(message: AsyncOutput) -> None:
+        if message.kind is OUTPUT_READY:
+            seen_at_send.append(packer.leftovers())
+
+    packer = OutputPacker(reply, gate.pack)
+    try:
+        packer.submit("rpc-1", batch("a", "b"))
+        assert packer.leftovers() == {"packer_queue": {"a", "b"}}
+        gate.opened.set()
+        assert packer.drain(CAP_S)
+        # Released before its OUTPUT_READY went out: whoever receives it sees nothing here.
+        assert seen_at_send == [{"packer_queue": set()}]
+        assert packer.leftovers() == {"packer_queue": set()}
+    finally:
+        assert packer.close(CAP_S)

@@ -218,3 +218,36 @@ def test_shutdown_releases_the_runner_and_is_idempotent(worker: Worker) -> None:
         worker.execute_scheduler_output(wave(request("late")))
     with pytest.raises(RuntimeError, match="not loaded"):
         runner.execute_model(request("late"))
+
+
+def test_leftovers_report_what_the_worker_holds_per_request(cache_dir: Path) -> None:
+    w = Worker(config(cache_dir, step_execution=True))
+    w.init_device()
+    w.load_model()
+    try:
+        assert w.execute_method("leftovers") == {
+            "stop_flags": set(),
+            "runner_progress": set(),
+            "step_states": set(),
+        }
+        a, b = request("a"), request("b")
+        w.execute_stepwise(wave(a, b))
+        held = w.leftovers()
+        assert held["step_states"] == {"a", "b"}
+        assert held["runner_progress"] == {"a", "b"}
+        # The scheduler reports them finished: their state is evicted.
+        w.execute_stepwise(SchedulerOutput(step_id=2, finished_req_ids=frozenset({"a", "b"})))
+        assert w.leftovers() == {
+            "stop_flags": set(),
+            "runner_progress": set(),
+            "step_states": set(),
+        }
+    finally:
+        w.shutdown()
+
+
+def test_a_forwards_stop_flags_are_forgotten_when_it_ends(worker: Worker) -> None:
+    worker.stop_flags.abort(["a", "b"])  # a and b are aborted while their forward runs
+    out = worker.execute_scheduler_output(wave(request("a"), request("b")))
+    assert {o.request_id for o in out if o.aborted} == {"a", "b"}
+    assert worker.leftovers()["stop_flags"] == set()

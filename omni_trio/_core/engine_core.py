@@ -1,0 +1,1054 @@
+"""The engine core: every per-request decision, pure and synchronous (no trio, no I/O).
+
+:class:`EngineCore` owns the scheduler and one record per admitted request.  Nothing else
+changes a request's state.  The trio engine (``omni_trio.runtime.engine``) is its shell: it
+turns what happens (a request is admitted, a forward returns, an output arrives, a consumer
+leaves, the worker group dies, the engine closes) into *events*, calls the matching method
+with the current time, and carries out the *instructions* it gets back, in order::
+
+    event (method)                          may answer with
+    ----------------------------------      ---------------------------------------------
+    build_request(prompt, params, id)       (a request with an id; no state changes)
+    admit(request, now)                     (the admitted request, defaults resolved)
+    schedule(now, worker)                   a SchedulerOutput to execute (or None)
+    runner_output(sched, result, now, w)    AwaitOutput, DropOutput, DeliverChunk,
+                                            DeliverTerminal
+    execution_failed(sched, error, now)     DeliverTerminal
+    output_ready(rid, key, output, now)     DeliverTerminal (or DropOutput if stale)
+    output_lost(rid, key, error, now)       DeliverTerminal, or nothing (requeued)
+    expire(now)                             as output_lost, for outputs past their deadline
+    abort(ids, now) / consumer_gone(id)     StopForwards, DropOutput, DeliverTerminal
+    preempt(id, now)                        -- (a step-boundary preemption)
+    group_started(info, now)                --
+    group_restarting()                      -- (counts the restart)
+    group_failed(error, now)                DropOutput, DeliverTerminal (requeues the rest)
+    close(now) / die(error, now)            StopForwards, DropOutput, DeliverTerminal
+
+Every event method is a synchronous critical section that never calls out: the shell may
+call it from any task of its run without locks.  Events about something that is no longer
+current (an output for a request aborted meanwhile, a result for a superseded incarnation of
+an id, a failure of a group already written off) are recognised by identity and answered
+with the clean-up they need, never applied.
+
+The core records the lifecycle trace itself (when given a :class:`TraceRecorder`), so the
+trace is exactly the story of its decisions; ``omni_trio.testing.check_trace`` reads it.
+Every request resource it holds is reported by :meth:`EngineCore.leftovers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    WorkerError,
+)
+from .faults import FAULTS_KEY, WARMUP_REQUEST_ID, parse_faults
+from .health import (
+    EngineHealth,
+    EngineState,
+    EngineStatistics,
+    GroupState,
+    PhaseSummary,
+    WorkerState,
+    WorkerStatus,
+)
+from .lifecycle import RequestState, RequestStatus
+from .messages import (
+    BatchRunnerOutput,
+    DiffusionOutput,
+    RequestMetrics,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from .model_info import ModelInfo
+from .request import DiffusionRequest, RequestLimits, SamplingParams, validate_request
+from .scheduler import RequestScheduler, Scheduler, StepScheduler
+from .trace import TraceKind, TraceRecorder
+
+__all__ = [
+    "WARMUP_REQUEST_ID",
+    "WORKER_FAILED",
+    "AwaitOutput",
+    "CoreConfig",
+    "DeliverChunk",
+    "DeliverTerminal",
+    "DropOutput",
+    "EngineCore",
+    "Instruction",
+    "StopForwards",
+]
+
+_S = RequestStatus
+_K = TraceKind
+# error_type of a request that failed because its worker group failed and its retries ran out
+# (retryable: the request itself was fine).
+WORKER_FAILED = "WorkerFailedError"
+_TIMING_WINDOW = 1024
+_PHASES = ("queue_wait", "execution", "postprocess", "end_to_end")
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """The knobs the core decides with (the shell builds it from ``EngineConfig``)."""
+
+    step_execution: bool = False
+    max_num_seqs: int = 1
+    request_batch_max_wait_ms: float = 0.0
+    streaming_output: bool = False
+    preview_interval: int = 1
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_retries_on_worker_failure: int = 1
+    fault_injection: bool = False
+    # How long a PACKING request may wait for its output (INV-6), seconds.
+    output_timeout_s: float = 600.0
+
+
+# -- instructions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverChunk:
+    """Send a non-terminal chunk (a streaming preview) on the request's stream."""
+
+    request_id: str
+    output: DiffusionOutput
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverTerminal:
+    """Send the request's terminal output on its stream and close the stream.  Only issued
+    while the request's consumer is there; its state is already released."""
+
+    request_id: str
+    output: DiffusionOutput
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitOutput:
+    """The request is PACKING: ask the executor for the output announced as ``key`` and
+    report it back as :meth:`EngineCore.output_ready` (or ``output_lost``)."""
+
+    request_id: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropOutput:
+    """Nobody will take the output announced as ``key``: release it now, or when it arrives
+    (and stop waiting for it).  ``request_id`` names its owner, for the record."""
+
+    key: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StopForwards:
+    """Set the stop flags of these running requests: their forward stops at its next step
+    boundary (once every request of a fused batch is stopped)."""
+
+    request_ids: tuple[str, ...]
+
+
+Instruction = DeliverChunk | DeliverTerminal | AwaitOutput | DropOutput | StopForwards
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """The core's record of one admitted request (next to its scheduler state)."""
+
+    state: RequestState
+    # The consumer is still reading the stream (False once it left: nothing is delivered).
+    consumer: bool = True
+    # Counted in the statistics (warmup traffic is not).
+    counted: bool = True
+    chunks_sent: int = 0
+    # The total_chunks every preview announces; fixed at the first preview.
+    total_chunks: int | None = None
+    # PACKING: the output it waits for, until when, and the timings its compute reported.
+    output_key: str | None = None
+    output_deadline: float | None = None
+    compute_timings: Mapping[str, float] = field(default_factory=dict)
+
+
+class EngineCore:
+    """The engine's one lifecycle owner; see the module docstring for its events.
+
+    ``trace`` records every lifecycle event; ``id_prefix`` and ``seed`` make generated request
+    ids and seeds unique per engine and reproducible per core (the shell passes random ones).
+    """
+
+    def __init__(
+        self,
+        config: CoreConfig | None = None,
+        *,
+        trace: TraceRecorder | None = None,
+        id_prefix: str = "core",
+        seed: int = 0,
+    ) -> None:
+        self.config = config = config if config is not None else CoreConfig()
+        self.scheduler: Scheduler = (
+            StepScheduler(config.max_num_seqs)
+            if config.step_execution
+            else RequestScheduler(config.max_num_seqs, config.request_batch_max_wait_ms)
+        )
+        self.trace = trace
+        # Invariant: one entry per admitted, non-terminal request, keyed by id; its state is
+        # the scheduler's.  Terminal requests have neither an entry nor scheduler state.
+        self._entries: dict[str, _Entry] = {}
+        # The scheduler output being executed, with the states it scheduled (at most one).
+        self._dispatch: SchedulerOutput | None = None
+        self._dispatch_states: dict[str, RequestState] = {}
+        # PACKING deadlines: (deadline, seq, request id, key); stale ones are skipped lazily.
+        self._deadlines: list[tuple[float, int, str, str]] = []
+        self._deadline_seq = itertools.count()
+        self.model_info: ModelInfo | None = None
+        self.group = GroupState.STARTING
+        self.generation = 0
+        self.closed = False
+        self.dead: BaseException | None = None
+        self.last_failure: str | None = None
+        self.last_failed_rank: int | None = None
+        # Restarts of the worker group the supervisor has begun (successful or not).
+        self.restarts = 0
+        self._admitted = 0
+        self._requeued = 0
+        self._finished_counts = {s: 0 for s in _S if s.finished}
+        self._timings: dict[str, deque[float]] = {k: deque(maxlen=_TIMING_WINDOW) for k in _PHASES}
+        self._id_prefix = id_prefix
+        self._ids = itertools.count(1)
+        self._seeds = random.Random(seed)
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.scheduler.mode
+
+    @property
+    def accepting(self) -> bool:
+        """New requests may be admitted (neither closed nor dead)."""
+        return not self.closed and self.dead is None
+
+    def has_work(self) -> bool:
+        """The loop has something to execute: a queued or running request, or (step mode)
+        finished ids the workers must hear about."""
+        if self.group is not GroupState.RUNNING:
+            return False
+        scheduler = self.scheduler
+        if scheduler.has_unfinished_requests():
+            return True
+        return self.config.step_execution and scheduler.has_finished_to_report()
+
+    def admission_wait(self, now: float) -> float | None:
+        """None: schedule now; a time: the scheduler coalesces a wave until then."""
+        return self.scheduler.admission_wait(now)
+
+    @property
+    def dispatch(self) -> SchedulerOutput | None:
+        """The scheduler output being executed now, if any."""
+        return self._dispatch
+
+    def in_flight_ids(self) -> frozenset[str]:
+        """Ids scheduled in the forward being executed now."""
+        return frozenset(self._dispatch_states)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    def status_of(self, request_id: str) -> RequestStatus | None:
+        entry = self._entries.get(request_id)
+        return entry.state.status if entry is not None else None
+
+    def awaited_outputs(self) -> dict[str, str]:
+        """Output key -> request id, for every PACKING request."""
+        return {e.output_key: rid for rid, e in self._entries.items() if e.output_key}
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has something to do (None: nothing is timed)."""
+        heap = self._deadlines
+        while heap:
+            _, _, rid, key = heap[0]
+            entry = self._entries.get(rid)
+            if entry is not None and entry.output_key == key:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
+
+    def open_consumers(self) -> int:
+        return sum(1 for e in self._entries.values() if e.consumer)
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """The request resources the core holds, by kind, as owning request ids.
+
+        ``requests``: admitted and not terminal; ``scheduler_states``: states the scheduler
+        still holds; ``streams``: requests whose consumer the core will deliver to;
+        ``awaited_outputs``: PACKING requests.  After a clean close everything is empty, and
+        at any time nothing here belongs to a terminal request (INV-3).
+        """
+        scheduler = self.scheduler
+        held = set(scheduler.live_request_ids())
+        held.update(scheduler.pending_finished_request_ids())
+        return {
+            "requests": set(self._entries),
+            "scheduler_states": held,
+            "streams": {rid for rid, e in self._entries.items() if e.consumer},
+            "awaited_outputs": {rid for rid, e in self._entries.items() if e.output_key},
+        }
+
+    # -- admission -----------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine died, :class:`EngineClosedError` if
+        it was closed."""
+        if self.dead is not None:
+            raise EngineDeadError(
+                f"engine is dead: {type(self.dead).__name__}: {self.dead}"
+            ) from self.dead
+        if self.closed:
+            raise EngineClosedError("engine is closed")
+
+    def new_request_id(self) -> str:
+        return f"req-{self._id_prefix}-{next(self._ids)}"
+
+    def build_request(
+        self,
+        prompt_or_request: str | DiffusionRequest,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> DiffusionRequest:
+        """A request from a prompt (or a request with ``params``/``request_id`` applied); an
+        id is generated when none is given."""
+        if isinstance(prompt_or_request, DiffusionRequest):
+            request = prompt_or_request
+            if params is not None:
+                request = request.replace(sampling=params)
+            if request_id is not None:
+                request = request.replace(request_id=request_id)
+        else:
+            if not isinstance(prompt_or_request, str):
+                raise InvalidRequestError(
+                    f"prompt must be a string, not {type(prompt_or_request).__name__}",
+                    param="prompt",
+                )
+            request = DiffusionRequest(
+                prompt_or_request,
+                params if params is not None else SamplingParams(),
+                request_id if request_id is not None else self.new_request_id(),
+            )
+        if not request.request_id:
+            request = request.replace(request_id=self.new_request_id())
+        return request
+
+    def admit(
+        self, request: DiffusionRequest, now: float, *, counted: bool = True
+    ) -> DiffusionRequest:
+        """Admit ``request`` as WAITING; returns it with what admission decides filled in
+        (the model's default size, a random seed when it has none).
+
+        Raises :class:`InvalidRequestError` or :class:`DuplicateRequestError` before anything
+        is admitted, :class:`EngineClosedError` / :class:`EngineDeadError` when the engine no
+        longer accepts work.  ``counted=False`` keeps it out of the statistics (warmup).
+        """
+        self.check_open()
+        limits = self.config.limits
+        validate_request(request, limits)
+        request = self._resolve_defaults(request)
+        rid = request.request_id
+        if rid in self._entries:
+            raise DuplicateRequestError(rid)
+        if FAULTS_KEY in request.sampling.extra_args:
+            self._check_faults(request)
+        state = self.scheduler.add_request(request, now)
+        self._entries[rid] = _Entry(state, counted=counted)
+        if counted:
+            self._admitted += 1
+        if self.trace is not None:
+            self._record(
+                now,
+                _K.ADMIT,
+                rid,
+                detail={
+                    "seed": request.sampling.seed,
+                    "steps": state.total_steps or request.sampling.total_steps,
+                    "mode": self.scheduler.mode,
+                },
+            )
+        return request
+
+    def _resolve_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
+        """Resolving the size here means a request that leaves it unset and one that asks
+        for the default explicitly share a compatibility key."""
+        sp = request.sampling
+        changes: dict[str, Any] = {}
+        info = self.model_info
+        if info is not None:
+            height, width = info.resolve_size(sp.height, sp.width)
+            if height != sp.height:
+                changes["height"] = height
+            if width != sp.width:
+                changes["width"] = width
+        if sp.seed is None:
+            changes["seed"] = self._seeds.randrange(2**31)
+        if not changes:
+            return request
+        request = request.replace(sampling=sp.replace(**changes))
+        validate_request(request, self.config.limits)  # the filled-in size obeys the limits too
+        return request
+
+    def _check_faults(self, request: DiffusionRequest) -> None:
+        """Fault injection only where the config allows it, and only well-formed."""
+        if not self.config.fault_injection:
+            raise InvalidRequestError(
+                "extra_args['faults'] asks for fault injection, which this engine does not "
+                "allow (EngineConfig.fault_injection=False)",
+                param="extra_args",
+            )
+        try:
+            parse_faults(request.sampling.extra_args)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="extra_args") from exc
+
+    # -- execution -----------------------------------------------------------------------
+
+    def schedule(self, now: float, *, worker: int | None = None) -> SchedulerOutput | None:
+        """The next scheduler output to execute (on ``worker``, for the record), or None.
+
+        Step mode with nothing to run but finished ids to report gives an output that only
+        evicts them.  The output is in flight until :meth:`runner_output` (or
+        :meth:`execution_failed`, or a group failure) settles it; raises ``RuntimeError`` if
+        one is in flight already.
+        """
+        if self._dispatch is not None:
+            raise RuntimeError("a scheduler output is already being executed")
+        if not self.has_work():
+            return None
+        sched_out = self.scheduler.schedule(now)
+        if sched_out.is_empty and not sched_out.finished_req_ids:
+            return None
+        states = self._dispatch_states
+        for rid in sched_out.scheduled_request_ids:
+            state = self.scheduler.get_request_state(rid)
+            assert state is not None
+            states[rid] = state
+        self._dispatch = sched_out
+        if self.trace is not None:
+            step = sched_out.step_id
+            for rid in sched_out.scheduled_request_ids:
+                self._record(now, _K.SCHEDULE, rid, step_id=step)
+                self._record(now, _K.EXEC_START, rid, step_id=step, worker=worker)
+        return sched_out
+
+    def _take_dispatch(self, sched_out: SchedulerOutput) -> dict[str, RequestState] | None:
+        if self._dispatch is not sched_out:
+            return None  # written off meanwhile (group failure, close): results not trusted
+        states = self._dispatch_states
+        self._dispatch = None
+        self._dispatch_states = {}
+        return states
+
+    def runner_output(
+        self,
+        sched_out: SchedulerOutput,
+        result: BatchRunnerOutput,
+        now: float,
+        *,
+        worker: int | None = None,
+    ) -> list[Instruction]:
+        """The executor ran ``sched_out`` and answered ``result`` (keyed by request id).
+
+        Requests that finished move to their terminal state; a request whose output is
+        announced but not in hand moves to PACKING (:class:`AwaitOutput`).  Results for
+        anything that is no longer the scheduled, running incarnation (aborted meanwhile,
+        never scheduled) are not applied, and any output they announce is dropped.
+        """
+        out: list[Instruction] = []
+        states = self._take_dispatch(sched_out)
+        if states is None:
+            self._drop_announced(result, {}, out)
+            return out
+        if self.trace is not None:
+            # Every scheduled id, and any id the executor answered for on its own (INV-2).
+            for rid in dict.fromkeys((*sched_out.scheduled_request_ids, *result.outputs)):
+                self._record(
+                    now,
+                    _K.EXEC_RESULT,
+                    rid,
+                    step_id=sched_out.step_id,
+                    worker=worker,
+                    detail={"outcome": _outcome(result.get(rid))},
+                )
+        self._drop_announced(result, states, out)
+        finished = self.scheduler.update_from_output(sched_out, result, now)
+        entries = self._entries
+        for rid in sched_out.scheduled_request_ids:
+            state = states[rid]
+            if state.status is _S.PACKING:
+                entry = entries[rid]
+                if entry.output_key is None:
+                    runner = result.get(rid)
+                    assert runner is not None and runner.async_output_id is not None
+                    self._await(entry, runner, now, out)
+        if self.config.step_execution:
+            self._emit_chunks(sched_out, result, states, set(finished), now, out)
+        for rid in finished:
+            done = entries.get(rid)
+            if done is not None and done.state is states[rid]:
+                self._terminal(done, result.get(rid), now, out)
+        return out
+
+    def execution_failed(
+        self, sched_out: SchedulerOutput, error: str, error_type: str, now: float
+    ) -> list[Instruction]:
+        """The executor raised for ``sched_out`` although its group is healthy: every
+        request it scheduled that is still running ends with that error."""
+        failure = BatchRunnerOutput(
+            {
+                rid: RunnerOutput(rid, error=error, error_type=error_type)
+                for rid in sched_out.scheduled_request_ids
+            }
+        )
+        return self.runner_output(sched_out, failure, now)
+
+    def _drop_announced(
+        self,
+        result: BatchRunnerOutput,
+        states: Mapping[str, RequestState],
+        out: list[Instruction],
+    ) -> None:
+        """Drop every announced output that will not be awaited: its request is not the
+        scheduled incarnation, or no longer running (INV-3: nothing is cached for it)."""
+        for rid, runner in result.outputs.items():
+            key = runner.async_output_id
+            if not key or runner.images is not None:
+                continue
+            state = states.get(rid)
+            entry = self._entries.get(rid)
+            if (
+                state is None
+                or entry is None
+                or entry.state is not state
+                or state.status is not _S.RUNNING
+            ):
+                out.append(DropOutput(key, rid))
+
+    def _await(
+        self, entry: _Entry, runner: RunnerOutput, now: float, out: list[Instruction]
+    ) -> None:
+        key = runner.async_output_id
+        assert key is not None
+        deadline = now + self.config.output_timeout_s
+        entry.output_key = key
+        entry.output_deadline = deadline
+        entry.compute_timings = runner.timings
+        rid = entry.state.request_id
+        heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), rid, key))
+        out.append(AwaitOutput(rid, key))
+
+    def output_ready(
+        self, request_id: str, key: str, output: RunnerOutput, now: float
+    ) -> list[Instruction]:
+        """The output announced as ``key`` arrived for PACKING ``request_id``: the request
+        completes (or fails, if packing failed).  Stale arrivals change nothing."""
+        entry = self._awaiting(request_id, key)
+        if entry is None:
+            return []
+        out: list[Instruction] = []
+        timings = {**entry.compute_timings, **output.timings}
+        output = dataclasses.replace(output, timings=timings)
+        entry.output_key = None
+        if output.error is not None or output.images is None:
+            self.scheduler.finish_requests(
+                request_id,
+                _S.FINISHED_ERROR,
+                now,
+                error=output.error or "async output carried no images",
+                error_type=output.error_type or "MissingOutputError",
+            )
+        else:
+            self.scheduler.finish_requests(request_id, _S.FINISHED_COMPLETED, now)
+        self._terminal(entry, output, now, out)
+        return out
+
+    def output_lost(
+        self,
+        request_id: str,
+        key: str,
+        error: str,
+        error_type: str,
+        now: float,
+        *,
+        group_lost: bool = False,
+    ) -> list[Instruction]:
+        """The output ``key`` of PACKING ``request_id`` will not come.  ``group_lost``: it
+        was lost with its worker group, so the request runs again (same seed) while its
+        retry budget lasts; otherwise (or past the budget) it fails."""
+        entry = self._awaiting(request_id, key)
+        if entry is None:
+            return []
+        out: list[Instruction] = []
+        entry.output_key = None
+        if group_lost:
+            self._requeue_or_fail(
+                [request_id],
+                f"the worker group failed while this request's output was packed "
+                f"({error_type}: {error})",
+                now,
+                out,
+            )
+            return out
+        self.scheduler.finish_requests(
+            request_id, _S.FINISHED_ERROR, now, error=error, error_type=error_type
+        )
+        self._terminal(entry, None, now, out)
+        return out
+
+    def expire(self, now: float) -> list[Instruction]:
+        """End every PACKING request whose output deadline has passed (INV-6)."""
+        out: list[Instruction] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, rid, key = heapq.heappop(heap)
+            entry = self._entries.get(rid)
+            if entry is None or entry.output_key != key:
+                continue
+            message = (
+                f"output {key!r} of request {rid!r} not ready "
+                f"{self.config.output_timeout_s:g} s after its compute finished"
+            )
+            self._record(
+                now, _K.STALL, detail={"phase": "output", "error": message, "request_id": rid}
+            )
+            out.append(DropOutput(key, rid))
+            out.extend(self.output_lost(rid, key, message, "StallError", now))
+        return out
+
+    def _awaiting(self, request_id: str, key: str) -> _Entry | None:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.output_key != key or entry.state.status is not _S.PACKING:
+            return None
+        return entry
+
+    def _emit_chunks(
+        self,
+        sched_out: SchedulerOutput,
+        result: BatchRunnerOutput,
+        states: Mapping[str, RequestState],
+        finished: set[str],
+        now: float,
+        out: list[Instruction],
+    ) -> None:
+        """Step mode: the non-terminal chunks (streaming previews) of this tick, each to the
+        incarnation that was scheduled and is still running."""
+        for rid in sched_out.scheduled_request_ids:
+            if rid in finished:
+                continue
+            runner = result.get(rid)
+            entry = self._entries.get(rid)
+            if runner is None or not runner.images or entry is None or not entry.consumer:
+                continue
+            state = entry.state
+            if state is not states[rid] or state.status not in (_S.RUNNING, _S.PREEMPTED):
+                continue
+            if entry.total_chunks is None:
+                entry.total_chunks = self._expected_chunks(state, runner)
+            # A preview is never the last chunk.
+            entry.total_chunks = max(entry.total_chunks, entry.chunks_sent + 2)
+            output = DiffusionOutput(
+                request_id=rid,
+                status=state.status,
+                finished=False,
+                images=runner.images,
+                seed=state.request.sampling.seed,
+                chunk_index=entry.chunks_sent,
+                total_chunks=entry.total_chunks,
+            )
+            entry.chunks_sent += 1
+            self._record(now, _K.CHUNK, rid, detail={"chunk_index": output.chunk_index})
+            out.append(DeliverChunk(rid, output))
+
+    def _expected_chunks(self, state: RequestState, runner: RunnerOutput) -> int:
+        """Previews every ``preview_interval`` steps before the last, plus the final output,
+        counted in the steps the worker runs (its report), which a model may make fewer."""
+        if not self.config.streaming_output:
+            return 1
+        total = runner.total_steps or state.total_steps
+        return (max(total, 1) - 1) // self.config.preview_interval + 1
+
+    # -- aborts --------------------------------------------------------------------------
+
+    def abort(
+        self, request_ids: Iterable[str], now: float, *, reason: str = "api"
+    ) -> list[Instruction]:
+        """Abort live requests (unknown or finished ids are ignored).
+
+        Each reaches FINISHED_ABORTED at once; a running one's forward is told to stop
+        (:class:`StopForwards`) and its late result will be dropped; a PACKING one's output
+        is dropped.
+        """
+        out: list[Instruction] = []
+        stop: list[str] = []
+        for rid in dict.fromkeys(request_ids):
+            entry = self._entries.get(rid)
+            if entry is None:
+                continue
+            self._record(now, _K.ABORT, rid, detail={"reason": reason})
+            status = entry.state.status
+            if status is _S.RUNNING:
+                stop.append(rid)
+            elif status is _S.PACKING and entry.output_key is not None:
+                out.append(DropOutput(entry.output_key, rid))
+                entry.output_key = None
+            self.scheduler.finish_requests(rid, _S.FINISHED_ABORTED, now)
+            self._terminal(entry, None, now, out)
+        if stop:
+            out.insert(0, StopForwards(tuple(stop)))
+        return out
+
+    def preempt(self, request_id: str, now: float) -> bool:
+        """Step-boundary preemption: a RUNNING request goes back to the front of the queue
+        as PREEMPTED, keeping its progress (its workers keep its step state), and resumes
+        when scheduled again.  Only between two forwards: returns False (and changes
+        nothing) if it is not running or a forward is in flight."""
+        entry = self._entries.get(request_id)
+        if (
+            self._dispatch is not None
+            or entry is None
+            or entry.state.status is not _S.RUNNING
+            or not self.scheduler.preempt_request(request_id)
+        ):
+            return False
+        self._record(
+            now, _K.PREEMPT, request_id, detail={"progress": entry.state.num_computed_steps}
+        )
+        return True
+
+    def consumer_gone(self, request_id: str, now: float) -> list[Instruction]:
+        """The consumer stopped reading: nothing more is delivered and the request is
+        aborted."""
+        entry = self._entries.get(request_id)
+        if entry is None or not entry.consumer:
+            return []
+        entry.consumer = False
+        self._record(now, _K.CONSUMER_DROP, request_id)
+        return self.abort((request_id,), now, reason="consumer")
+
+    # -- the worker group ----------------------------------------------------------------
+
+    def group_started(self, info: ModelInfo | None, now: float) -> None:
+        """A worker group is up (the first, or a restart): requests may run again."""
+        first = self.generation == 0
+        self.generation += 1
+        if info is not None:
+            self.model_info = info
+        if not self.accepting:
+            return
+        self.group = GroupState.RUNNING
+        if not first:
+            self._record(now, _K.RESTART, detail={"generation": self.generation})
+
+    def group_restarting(self) -> None:
+        """The supervisor begins a restart of the failed group (after its backoff)."""
+        self.restarts += 1
+
+    def group_failed(
+        self,
+        error: str,
+        error_type: str,
+        now: float,
+        *,
+        rank: int | None = None,
+        stall_phase: str | None = None,
+    ) -> list[Instruction]:
+        """The running worker group failed closed (once per group; later reports of the
+        same failure change nothing).
+
+        The forward in flight is written off.  Its requests and every PACKING request go
+        back to the front of the queue while their retry budget lasts, and otherwise end
+        FINISHED_ERROR with the retryable ``WorkerFailedError``.  Waiting requests stay.
+        """
+        if self.group is not GroupState.RUNNING:
+            return []
+        self.group = GroupState.RESTARTING
+        self.last_failure = f"{error_type}: {error}"
+        self.last_failed_rank = rank
+        self._record(
+            now,
+            _K.CRASH,
+            worker=rank,
+            detail={"generation": self.generation, "error_type": error_type, "error": error},
+        )
+        if stall_phase is not None:
+            self._record(now, _K.STALL, detail={"phase": stall_phase, "error": error})
+        self._dispatch = None
+        self._dispatch_states = {}
+        out: list[Instruction] = []
+        scheduler = self.scheduler
+        packing = scheduler.packing_request_ids()
+        for rid in packing:
+            entry = self._entries[rid]
+            if entry.output_key is not None:
+                out.append(DropOutput(entry.output_key, rid))
+                entry.output_key = None
+        reason = f"the worker group failed while this request ran ({error_type}: {error})"
+        # Packing requests ran before the running ones: requeue them last so they end up first.
+        self._requeue_or_fail(scheduler.running_request_ids(), reason, now, out)
+        self._requeue_or_fail(packing, reason, now, out)
+        return out
+
+    def _requeue_or_fail(
+        self, request_ids: Sequence[str], reason: str, now: float, out: list[Instruction]
+    ) -> None:
+        """Back to the front of the queue (reverse order keeps their order) while retries
+        last; else FINISHED_ERROR, retryable."""
+        budget = self.config.max_retries_on_worker_failure
+        failed: list[str] = []
+        for rid in reversed(request_ids):
+            entry = self._entries[rid]
+            state = entry.state
+            if state.num_retries < budget and self.accepting:
+                state.num_retries += 1
+                self._requeued += 1
+                self.scheduler.preempt_request(rid, reset_progress=True)
+                self._record(now, _K.REQUEUE, rid, detail={"retry": state.num_retries})
+            else:
+                failed.append(rid)
+        if not failed:
+            return
+        message = f"{reason}; retries exhausted"
+        for rid in reversed(failed):
+            entry = self._entries[rid]
+            self.scheduler.finish_requests(
+                rid, _S.FINISHED_ERROR, now, error=message, error_type=WORKER_FAILED
+            )
+            self._terminal(entry, None, now, out)
+
+    # -- ending --------------------------------------------------------------------------
+
+    def close(self, now: float) -> list[Instruction]:
+        """The owner closes the engine: every live request ends FINISHED_ABORTED with
+        ``EngineClosedError``; nothing is admitted from now on.  Idempotent."""
+        if self.closed:
+            return []
+        self.closed = True
+        self._record(now, _K.CLOSE)
+        if self.dead is not None:
+            return []
+        self.group = GroupState.STOPPED
+        return self._terminate_all(
+            _S.FINISHED_ABORTED, "engine is closed", "EngineClosedError", now
+        )
+
+    def die(self, error: BaseException, now: float) -> list[Instruction]:
+        """Something the engine cannot recover from happened (the supervisor gave up, a bug
+        in the loop): every live request ends FINISHED_ERROR with ``EngineDeadError``."""
+        if self.dead is not None or self.closed:
+            return []
+        self.dead = error
+        self.group = GroupState.FAILED
+        text = f"{type(error).__name__}: {error}"
+        self._record(now, _K.DEAD, detail={"error": text})
+        return self._terminate_all(
+            _S.FINISHED_ERROR, f"engine died: {text}", "EngineDeadError", now
+        )
+
+    def _terminate_all(
+        self, status: RequestStatus, message: str, error_type: str, now: float
+    ) -> list[Instruction]:
+        out: list[Instruction] = []
+        self._dispatch = None
+        self._dispatch_states = {}
+        scheduler = self.scheduler
+        running = scheduler.running_request_ids()
+        if running:
+            out.append(StopForwards(tuple(running)))
+        live = scheduler.live_request_ids()
+        for rid in live:
+            entry = self._entries[rid]
+            if entry.output_key is not None:
+                out.append(DropOutput(entry.output_key, rid))
+                entry.output_key = None
+        scheduler.finish_requests(live, status, now, error=message, error_type=error_type)
+        for rid in live:
+            self._terminal(self._entries[rid], None, now, out)
+        return out
+
+    # -- the one terminal path -----------------------------------------------------------
+
+    def _terminal(
+        self, entry: _Entry, runner: RunnerOutput | None, now: float, out: list[Instruction]
+    ) -> None:
+        """Every request ends here (INV-1, INV-3): count it, build its terminal output,
+        release all its state, and deliver (if its consumer is there)."""
+        state = entry.state
+        rid = state.request_id
+        status = state.status
+        assert status.finished, status
+        self.scheduler.pop_request_state(rid)
+        del self._entries[rid]
+        if entry.counted:
+            self._finished_counts[status] += 1
+        completed = status is _S.FINISHED_COMPLETED
+        images: tuple[Any, ...] = ()
+        if completed and runner is not None and runner.images:
+            images = runner.images
+        output = DiffusionOutput(
+            request_id=rid,
+            status=status,
+            finished=True,
+            images=images,
+            error=None if completed else state.error,
+            error_type=None if completed else state.error_type,
+            seed=state.request.sampling.seed,
+            metrics=self._metrics(state, runner, now, count=entry.counted and completed),
+        )
+        if entry.chunks_sent:
+            # The terminal output is always the last chunk.  For a completed request this is
+            # what its previews announced; an aborted or failed one ends early.
+            output = dataclasses.replace(
+                output, chunk_index=entry.chunks_sent, total_chunks=entry.chunks_sent + 1
+            )
+        if self.trace is not None:
+            self._record(
+                now,
+                _K.TERMINAL,
+                rid,
+                detail={"status": status.name, "error_type": output.error_type},
+            )
+            self._record(
+                now, _K.OUTPUT, rid, detail={"status": status.name, "delivered": entry.consumer}
+            )
+            self._record(now, _K.CLEANUP, rid)
+        if entry.consumer:
+            out.append(DeliverTerminal(rid, output))
+
+    def _metrics(
+        self, state: RequestState, runner: RunnerOutput | None, now: float, *, count: bool
+    ) -> RequestMetrics:
+        end = now if state.finished_at is None else max(state.finished_at, now)
+        started = state.first_scheduled_at
+        queue_wait = ((started if started is not None else end) - state.queued_at) * 1000.0
+        timings = runner.timings if runner is not None else {}
+        execution = timings.get("forward_ms")
+        if execution is None:
+            execution = (end - started) * 1000.0 if started is not None else 0.0
+        metrics = RequestMetrics(
+            queue_wait_ms=queue_wait,
+            execution_ms=execution,
+            postprocess_ms=timings.get("postprocess_ms", 0.0),
+            e2e_ms=(end - state.queued_at) * 1000.0,
+        )
+        if count:
+            t = self._timings
+            t["queue_wait"].append(metrics.queue_wait_ms)
+            t["execution"].append(metrics.execution_ms)
+            t["postprocess"].append(metrics.postprocess_ms)
+            t["end_to_end"].append(metrics.e2e_ms)
+        return metrics
+
+    # -- health and statistics -----------------------------------------------------------
+
+    def worker_view(self, workers: Iterable[WorkerState]) -> tuple[WorkerState, ...]:
+        """The executor's worker snapshot as the engine reports it: between two groups
+        every worker of the failed one is "restarting"."""
+        if self.group is GroupState.RESTARTING:
+            return tuple(dataclasses.replace(w, state=WorkerStatus.RESTARTING) for w in workers)
+        return tuple(workers)
+
+    def health(self, workers: Iterable[WorkerState] = ()) -> EngineHealth:
+        """Never ``healthy`` unless the group is running (no worker gone or restarting)."""
+        reason: str | None = None
+        if self.dead is not None:
+            state = EngineState.DEAD
+            reason = f"{type(self.dead).__name__}: {self.dead}"
+        elif self.closed:
+            state, reason = EngineState.CLOSED, "engine is closed"
+        elif self.group is GroupState.STARTING:
+            state, reason = EngineState.STARTING, "the worker group is starting"
+        elif self.group is GroupState.RUNNING:
+            state = EngineState.READY
+        else:
+            state, reason = EngineState.RESTARTING, self.last_failure
+        return EngineHealth(
+            healthy=state is EngineState.READY,
+            state=state,
+            reason=reason,
+            restarts=self.restarts,
+            workers=self.worker_view(workers),
+            last_failure=self.last_failure,
+        )
+
+    def check_health(self) -> None:
+        """Return None when healthy.  Raise :class:`EngineDeadError` if the engine died,
+        :class:`EngineClosedError` if it was closed, and :class:`WorkerError` while its worker
+        group is starting, failed or restarting (requests wait in the queue meanwhile)."""
+        self.check_open()
+        if self.group is not GroupState.RUNNING:
+            raise WorkerError(
+                f"worker group is {self.group.value}: {self.last_failure or 'starting'}",
+                worker=self.last_failed_rank,
+                error_type="WorkerGroupRestarting",
+            )
+
+    def statistics(self, workers: Iterable[WorkerState] = ()) -> EngineStatistics:
+        counts = self._finished_counts
+        scheduler = self.scheduler
+        return EngineStatistics(
+            waiting=scheduler.num_waiting,
+            running=scheduler.num_running,
+            admitted=self._admitted,
+            finished_completed=counts[_S.FINISHED_COMPLETED],
+            finished_aborted=counts[_S.FINISHED_ABORTED],
+            finished_error=counts[_S.FINISHED_ERROR],
+            open_streams=self.open_consumers(),
+            dead=self.dead is not None,
+            closed=self.closed,
+            restarts=self.restarts,
+            requeued=self._requeued,
+            worker_group=self.group,
+            workers=self.worker_view(workers),
+            last_failure=self.last_failure,
+            packing=scheduler.num_packing,
+            queue_wait=PhaseSummary.of(self._timings["queue_wait"]),
+            execution=PhaseSummary.of(self._timings["execution"]),
+            postprocess=PhaseSummary.of(self._timings["postprocess"]),
+            end_to_end=PhaseSummary.of(self._timings["end_to_end"]),
+        )
+
+    # -- trace ---------------------------------------------------------------------------
+
+    def _record(
+        self,
+        now: float,
+        kind: TraceKind,
+        request_id: str | None = None,
+        *,
+        step_id: int | None = None,
+        worker: int | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        trace = self.trace
+        if trace is not None:
+            trace.record(now, kind, request_id, step_id=step_id, worker=worker, detail=detail)
+
+
+def _outcome(runner: RunnerOutput | None) -> str:
+    if runner is None:
+        return "missing"
+    if runner.error is not None:
+        return "error"
+    if runner.aborted:
+        return "aborted"
+    if runner.images is None and runner.async_output_id:
+        return "pending"
+    return "ok"

@@ -1,0 +1,135 @@
+"""Snapshots of an engine's health and statistics (pure data), and the typed states they use.
+
+The engine core derives both from one place (:meth:`EngineCore.health`,
+:meth:`EngineCore.statistics`); the states are ``StrEnum`` members, so they compare equal to
+(and serialise as) their lower-case names.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics as _stats
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "EngineHealth",
+    "EngineState",
+    "EngineStatistics",
+    "GroupState",
+    "PhaseSummary",
+    "WorkerState",
+    "WorkerStatus",
+]
+
+
+class GroupState(enum.StrEnum):
+    """The worker group, as the engine sees it."""
+
+    STARTING = "starting"  # the first group is loading
+    RUNNING = "running"  # up and trusted
+    RESTARTING = "restarting"  # failed closed; the supervisor is starting a new one
+    FAILED = "failed"  # the supervisor gave up (or the engine died): no group will come
+    STOPPED = "stopped"  # the engine was closed
+
+
+class WorkerStatus(enum.StrEnum):
+    """One worker, as its executor (or, between two groups, the engine) reports it."""
+
+    RUNNING = "running"
+    FAILED = "failed"  # its group failed closed
+    STOPPED = "stopped"  # closed
+    RESTARTING = "restarting"  # reported by the engine while a new group starts
+
+
+class EngineState(enum.StrEnum):
+    """What ``AsyncEngine.health().state`` says."""
+
+    READY = "ready"
+    STARTING = "starting"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """A snapshot of one worker: its rank, status and, where the backend knows them, its pid
+    and the denoising steps it has run."""
+
+    rank: int
+    state: WorkerStatus
+    pid: int | None = None
+    steps: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSummary:
+    """Summary of one phase's recent timings (ms) over the last 1024 requests."""
+
+    count: int = 0
+    mean_ms: float = 0.0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    max_ms: float = 0.0
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> PhaseSummary:
+        data = sorted(samples)
+        if not data:
+            return cls()
+        return cls(
+            count=len(data),
+            mean_ms=_stats.fmean(data),
+            p50_ms=data[len(data) // 2],
+            p90_ms=data[min(len(data) - 1, math.ceil(len(data) * 0.9) - 1)],
+            max_ms=data[-1],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of the engine (``AsyncEngine.statistics()``).
+
+    ``packing`` counts requests whose compute is done and whose output is still being packed.
+    Supervision: ``restarts`` of the worker group so far, requests ``requeued`` after a group
+    failure, the group's state, each worker's state, and the last group failure
+    (``"Type: message"``).
+    """
+
+    waiting: int
+    running: int
+    admitted: int
+    finished_completed: int
+    finished_aborted: int
+    finished_error: int
+    open_streams: int
+    dead: bool
+    closed: bool
+    restarts: int = 0
+    requeued: int = 0
+    worker_group: GroupState = GroupState.RUNNING
+    workers: tuple[WorkerState, ...] = ()
+    last_failure: str | None = None
+    packing: int = 0
+    queue_wait: PhaseSummary = field(default_factory=PhaseSummary)
+    execution: PhaseSummary = field(default_factory=PhaseSummary)
+    postprocess: PhaseSummary = field(default_factory=PhaseSummary)
+    end_to_end: PhaseSummary = field(default_factory=PhaseSummary)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """``AsyncEngine.health()``: never ``healthy`` while a worker is gone or restarting.
+
+    ``state`` is ready, starting, restarting, dead or closed; ``reason`` says why it is not
+    ready.
+    """
+
+    healthy: bool
+    state: EngineState
+    reason: str | None
+    restarts: int
+    workers: tuple[WorkerState, ...]
+    last_failure: str | None

@@ -1,0 +1,493 @@
+"""The engine core: events in, instructions out, no trio, time passed in.
+
+Each test drives one :class:`EngineCore` by hand, as the shell would, and checks the exact
+instructions it answers with, the states it leaves behind and the trace it records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omni_trio._core.engine_core import (
+    WORKER_FAILED,
+    AwaitOutput,
+    CoreConfig,
+    DeliverChunk,
+    DeliverTerminal,
+    DropOutput,
+    EngineCore,
+    Instruction,
+    StopForwards,
+)
+from omni_trio._core.health import EngineState, GroupState, WorkerState, WorkerStatus
+from omni_trio._core.lifecycle import RequestStatus
+from omni_trio._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
+from omni_trio._core.model_info import ModelInfo
+from omni_trio._core.request import DiffusionRequest, RequestLimits, SamplingParams
+from omni_trio._core.trace import TraceKind, TraceRecorder
+from omni_trio.errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    WorkerError,
+)
+from omni_trio.testing import check_leftovers, check_trace
+
+S = RequestStatus
+K = TraceKind
+INFO = ModelInfo("fake", "echo", True, 48, 64, False, supports_steps=True)
+
+
+def make(**config: Any) -> tuple[EngineCore, TraceRecorder]:
+    trace = TraceRecorder()
+    core = EngineCore(CoreConfig(**config), trace=trace, seed=1)
+    core.group_started(INFO, 0.0)
+    return core, trace
+
+
+def admit(core: EngineCore, rid: str, now: float = 0.0, **sampling: Any) -> DiffusionRequest:
+    sampling.setdefault("num_inference_steps", 2)
+    sampling.setdefault("seed", 5)
+    return core.admit(DiffusionRequest("p", SamplingParams(**sampling), rid), now)
+
+
+def schedule(core: EngineCore, now: float = 1.0) -> SchedulerOutput:
+    out = core.schedule(now, worker=0)
+    assert out is not None
+    return out
+
+
+def result(*outputs: RunnerOutput) -> BatchRunnerOutput:
+    return BatchRunnerOutput.from_list(list(outputs))
+
+
+def terminals(instructions: list[Instruction]) -> dict[str, RequestStatus]:
+    return {i.request_id: i.output.status for i in instructions if isinstance(i, DeliverTerminal)}
+
+
+def kinds(trace: TraceRecorder, rid: str) -> list[TraceKind]:
+    return [e.kind for e in trace.for_request(rid)]
+
+
+def assert_clean(core: EngineCore, trace: TraceRecorder, *, closed: bool | None = None) -> None:
+    events = trace.events
+    assert check_trace(events, closed=closed, abort_latency_s=0.0) == []
+    assert check_leftovers(core.leftovers(), events, in_flight=core.in_flight_ids()) == []
+
+
+# -- admission ------------------------------------------------------------------------------
+
+
+def test_admission_resolves_the_size_and_a_seed_once() -> None:
+    core, trace = make()
+    request = core.admit(DiffusionRequest("p", SamplingParams(), "a"), 0.0)
+    assert (request.sampling.height, request.sampling.width) == (48, 64)
+    assert request.sampling.seed is not None
+    explicit = admit(core, "b", seed=0)
+    assert explicit.sampling.seed == 0  # an explicit 0 is a seed like any other
+    assert core.status_of("a") is S.WAITING
+    [event] = [e for e in trace if e.kind is K.ADMIT and e.request_id == "a"]
+    assert event.detail == {"seed": request.sampling.seed, "steps": 20, "mode": "request"}
+    assert core.statistics().admitted == 2
+
+
+def test_generated_ids_are_unique_and_carry_the_prefix() -> None:
+    core = EngineCore(id_prefix="abcd")
+    ids = {core.build_request("p").request_id for _ in range(3)}
+    assert ids == {"req-abcd-1", "req-abcd-2", "req-abcd-3"}
+    with pytest.raises(InvalidRequestError, match="prompt must be a string"):
+        core.build_request(3)  # type: ignore[arg-type]
+
+
+def test_a_fixed_size_model_refuses_other_sizes_before_admission() -> None:
+    core, _ = make()
+    core.group_started(ModelInfo("u", "unconditional", True, 32, 32, False, fixed_size=True), 0.0)
+    with pytest.raises(InvalidRequestError) as info:
+        admit(core, "a", height=64, width=64)
+    assert info.value.param == "size"
+    assert not core.is_live("a")
+    assert admit(core, "b").sampling.height == 32
+
+
+def test_admission_refuses_bad_input_duplicates_and_faults() -> None:
+    core, _ = make(limits=RequestLimits(max_pixels=48 * 64))
+    admit(core, "a")
+    with pytest.raises(DuplicateRequestError):
+        admit(core, "a")
+    with pytest.raises(InvalidRequestError, match="pixels"):
+        admit(core, "big", height=64, width=64)
+    faulty = SamplingParams(extra_args={"faults": [{"kind": "fail_packing"}]})
+    with pytest.raises(InvalidRequestError, match="fault_injection=False") as info:
+        core.admit(DiffusionRequest("p", faulty, "f"), 0.0)
+    assert info.value.param == "extra_args"
+    fuzzing, _ = make(fault_injection=True)
+    bad = SamplingParams(extra_args={"faults": [{"kind": "explode"}]})
+    with pytest.raises(InvalidRequestError, match="unknown fault kind"):
+        fuzzing.admit(DiffusionRequest("p", bad, "f"), 0.0)
+    assert fuzzing.admit(DiffusionRequest("p", faulty, "g"), 0.0).request_id == "g"
+
+
+# -- request mode ---------------------------------------------------------------------------
+
+
+def test_a_result_in_hand_completes_the_request_with_metrics() -> None:
+    core, trace = make()
+    admit(core, "a", now=0.5)
+    out = schedule(core, 1.0)
+    image = ("img", "a")
+    instructions = core.runner_output(
+        out, result(RunnerOutput("a", images=(image,), timings={"forward_ms": 7.0})), 3.0
+    )
+    [deliver] = instructions
+    assert isinstance(deliver, DeliverTerminal)
+    final = deliver.output
+    assert (final.status, final.images, final.seed) == (S.FINISHED_COMPLETED, (image,), 5)
+    assert final.metrics.queue_wait_ms == pytest.approx(500.0)
+    assert final.metrics.execution_ms == 7.0
+    assert final.metrics.e2e_ms == pytest.approx(2500.0)
+    assert not core.is_live("a")
+    assert kinds(trace, "a") == [
+        K.ADMIT,
+        K.SCHEDULE,
+        K.EXEC_START,
+        K.EXEC_RESULT,
+        K.TERMINAL,
+        K.OUTPUT,
+        K.CLEANUP,
+    ]
+    assert core.statistics().finished_completed == 1
+    assert_clean(core, trace)
+
+
+def test_an_announced_output_makes_the_request_packing_until_it_arrives() -> None:
+    core, trace = make(max_num_seqs=1)
+    admit(core, "a")
+    admit(core, "b")
+    out = schedule(core)
+    instructions = core.runner_output(
+        out, result(RunnerOutput("a", async_output_id="b1/a", timings={"forward_ms": 3.0})), 2.0
+    )
+    assert instructions == [AwaitOutput("a", "b1/a")]
+    assert core.status_of("a") is S.PACKING
+    assert core.awaited_outputs() == {"b1/a": "a"}
+    assert core.statistics().packing == 1
+    # The slot is free: the next wave runs while a's output is packed.
+    assert schedule(core, 2.0).scheduled_request_ids == ("b",)
+    packed = RunnerOutput("a", images=("img",), timings={"postprocess_ms": 1.0})
+    [deliver] = core.output_ready("a", "b1/a", packed, 4.0)
+    assert isinstance(deliver, DeliverTerminal)
+    assert deliver.output.status is S.FINISHED_COMPLETED
+    assert deliver.output.metrics.execution_ms == 3.0  # the compute's timing is kept
+    assert deliver.output.metrics.postprocess_ms == 1.0
+    assert core.awaited_outputs() == {}
+    assert_clean(core, trace)
+
+
+def test_a_packing_failure_ends_the_request_with_its_error() -> None:
+    core, _ = make()
+    admit(core, "a")
+    core.runner_output(schedule(core), result(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    bad = RunnerOutput("a", error="cannot encode", error_type="FaultInjectedError")
+    [deliver] = core.output_ready("a", "k/a", bad, 3.0)
+    assert isinstance(deliver, DeliverTerminal)
+    assert (deliver.output.status, deliver.output.error_type) == (
+        S.FINISHED_ERROR,
+        "FaultInjectedError",
+    )
+
+
+def test_an_output_for_a_request_aborted_during_its_forward_is_dropped() -> None:
+    """The INV-3 leak of issue #13, at its source: the forward's answer announces an output
+    for a request that ended meanwhile; the core drops it instead of ignoring it."""
+    core, trace = make(max_num_seqs=2)
+    admit(core, "a")
+    admit(core, "b")
+    out = schedule(core)
+    aborted = core.abort(["a"], 1.5)
+    assert aborted[0] == StopForwards(("a",))
+    assert terminals(aborted) == {"a": S.FINISHED_ABORTED}
+    answer = result(
+        RunnerOutput("a", async_output_id="w/a"), RunnerOutput("b", async_output_id="w/b")
+    )
+    instructions = core.runner_output(out, answer, 2.0)
+    assert instructions == [DropOutput("w/a", "a"), AwaitOutput("b", "w/b")]
+    assert_clean(core, trace)
+
+
+def test_a_result_for_a_reused_id_never_reaches_its_new_incarnation() -> None:
+    core, trace = make()
+    admit(core, "x", seed=1)
+    out = schedule(core)
+    core.abort(["x"], 1.5)
+    admit(core, "x", now=1.6, seed=2)  # the id is free again: a new incarnation waits
+    instructions = core.runner_output(out, result(RunnerOutput("x", images=("old",))), 2.0)
+    assert instructions == []
+    assert core.status_of("x") is S.WAITING
+    late = core.runner_output(
+        schedule(core, 3.0), result(RunnerOutput("x", async_output_id="z/x")), 4.0
+    )
+    assert late == [AwaitOutput("x", "z/x")]
+    assert_clean(core, trace)
+
+
+def test_a_result_for_an_unscheduled_id_is_dropped_and_shows_in_the_trace() -> None:
+    core, trace = make()
+    admit(core, "a")
+    out = schedule(core)
+    answer = result(RunnerOutput("a", images=("i",)), RunnerOutput("ghost", async_output_id="g"))
+    instructions = core.runner_output(out, answer, 2.0)
+    assert DropOutput("g", "ghost") in instructions
+    violations = check_trace(trace.events)
+    assert {v.invariant for v in violations} == {"INV-2", "INV-4"}
+    assert {v.request_id for v in violations} == {"ghost"}
+
+
+def test_an_execution_error_fails_the_scheduled_requests_only() -> None:
+    core, trace = make(max_num_seqs=1)
+    admit(core, "a")
+    admit(core, "b")
+    instructions = core.execution_failed(schedule(core), "bad call", "TypeError", 2.0)
+    [deliver] = instructions
+    assert isinstance(deliver, DeliverTerminal)
+    assert (deliver.request_id, deliver.output.error_type) == ("a", "TypeError")
+    assert core.status_of("b") is S.WAITING
+    assert_clean(core, trace)
+
+
+def test_only_one_dispatch_is_in_flight() -> None:
+    core, _ = make()
+    admit(core, "a")
+    out = schedule(core)
+    assert core.in_flight_ids() == {"a"}
+    with pytest.raises(RuntimeError, match="already being executed"):
+        core.schedule(1.0)
+    core.runner_output(out, result(RunnerOutput("a", images=("i",))), 2.0)
+    assert core.dispatch is None and core.schedule(2.0) is None
+
+
+# -- aborts and consumers -------------------------------------------------------------------
+
+
+def test_abort_while_packing_drops_the_output_and_ends_at_once() -> None:
+    core, trace = make()
+    admit(core, "a")
+    core.runner_output(schedule(core), result(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    instructions = core.abort(["a", "a", "nobody"], 3.0)
+    assert instructions[0] == DropOutput("k/a", "a")
+    assert terminals(instructions) == {"a": S.FINISHED_ABORTED}
+    assert core.output_ready("a", "k/a", RunnerOutput("a", images=("i",)), 4.0) == []
+    assert_clean(core, trace)
+
+
+def test_a_consumer_that_leaves_gets_nothing_and_its_request_is_aborted() -> None:
+    core, trace = make()
+    admit(core, "a")
+    out = schedule(core)
+    instructions = core.consumer_gone("a", 1.5)
+    assert instructions == [StopForwards(("a",))]  # no delivery: nobody reads
+    assert core.consumer_gone("a", 1.6) == []
+    assert core.runner_output(out, result(RunnerOutput("a", images=("i",))), 2.0) == []
+    # The forward's late answer is recorded after the cleanup, and applied to nothing.
+    assert kinds(trace, "a")[-6:] == [
+        K.CONSUMER_DROP,
+        K.ABORT,
+        K.TERMINAL,
+        K.OUTPUT,
+        K.CLEANUP,
+        K.EXEC_RESULT,
+    ]
+    output = next(e for e in trace.for_request("a") if e.kind is K.OUTPUT)
+    assert output.detail == {"status": "FINISHED_ABORTED", "delivered": False}
+    assert_clean(core, trace)
+
+
+# -- deadlines ------------------------------------------------------------------------------
+
+
+def test_an_output_that_never_comes_expires_at_its_deadline() -> None:
+    core, trace = make(output_timeout_s=10.0)
+    admit(core, "a")
+    core.runner_output(schedule(core), result(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    assert core.next_deadline() == 12.0
+    assert core.expire(11.9) == []
+    instructions = core.expire(12.0)
+    assert instructions[0] == DropOutput("k/a", "a")
+    assert terminals(instructions) == {"a": S.FINISHED_ERROR}
+    final = instructions[1]
+    assert isinstance(final, DeliverTerminal) and final.output.error_type == "StallError"
+    assert core.next_deadline() is None
+    [stall] = [e for e in trace if e.kind is K.STALL]
+    assert stall.detail["phase"] == "output" and stall.detail["request_id"] == "a"
+    assert_clean(core, trace)
+
+
+def test_a_deadline_of_an_output_that_arrived_is_forgotten() -> None:
+    core, _ = make(output_timeout_s=10.0)
+    admit(core, "a")
+    core.runner_output(schedule(core), result(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    core.output_ready("a", "k/a", RunnerOutput("a", images=("i",)), 3.0)
+    assert core.next_deadline() is None
+    assert core.expire(100.0) == []
+
+
+# -- the worker group -----------------------------------------------------------------------
+
+
+def test_a_group_failure_requeues_running_and_packing_requests_in_order() -> None:
+    core, trace = make(max_num_seqs=1, max_retries_on_worker_failure=1)
+    for rid in ("p", "r", "w"):
+        admit(core, rid)
+    core.runner_output(schedule(core), result(RunnerOutput("p", async_output_id="k/p")), 2.0)
+    schedule(core, 2.0)  # r runs; w waits
+    instructions = core.group_failed("died", "WorkerError", 3.0, rank=1)
+    assert instructions == [DropOutput("k/p", "p")]
+    assert core.group is GroupState.RESTARTING
+    assert core.dispatch is None
+    assert [core.status_of(r) for r in ("p", "r", "w")] == [S.PREEMPTED, S.PREEMPTED, S.WAITING]
+    assert core.scheduler.live_request_ids() == ["p", "r", "w"]  # oldest work first
+    assert core.statistics().requeued == 2
+    assert not core.has_work()  # nothing runs until a new group is up
+    assert core.group_failed("again", "WorkerError", 3.1) == []  # once per group
+    [crash] = [e for e in trace if e.kind is K.CRASH]
+    assert crash.worker == 1 and crash.detail["error_type"] == "WorkerError"
+    health = core.health([WorkerState(0, WorkerStatus.FAILED)])
+    assert (health.healthy, health.state, health.reason) == (
+        False,
+        EngineState.RESTARTING,
+        "WorkerError: died",
+    )
+    assert health.workers == (WorkerState(0, WorkerStatus.RESTARTING),)
+    with pytest.raises(WorkerError, match="restarting"):
+        core.check_health()
+    core.group_restarting()
+    core.group_started(INFO, 4.0)
+    assert core.health().healthy and core.health().restarts == 1
+    assert schedule(core, 4.0).scheduled_request_ids == ("p",)
+    assert_clean(core, trace)
+
+
+def test_past_its_retry_budget_a_request_fails_retryably() -> None:
+    core, trace = make(max_retries_on_worker_failure=1)
+    admit(core, "a")
+    schedule(core)
+    assert core.group_failed("died", "WorkerError", 2.0) == []
+    core.group_started(INFO, 3.0)
+    schedule(core, 3.0)
+    [deliver] = core.group_failed("died again", "WorkerError", 4.0)
+    assert isinstance(deliver, DeliverTerminal)
+    assert deliver.output.error_type == WORKER_FAILED
+    assert "retries exhausted" in (deliver.output.error or "")
+    assert [e.detail["retry"] for e in trace if e.kind is K.REQUEUE] == [1]
+    assert_clean(core, trace)
+
+
+def test_an_output_lost_with_its_group_is_retried_else_it_fails() -> None:
+    core, trace = make(max_retries_on_worker_failure=1, max_num_seqs=2)
+    admit(core, "a")
+    admit(core, "b")
+    answer = result(
+        RunnerOutput("a", async_output_id="k/a"), RunnerOutput("b", async_output_id="k/b")
+    )
+    core.runner_output(schedule(core), answer, 2.0)
+    assert (
+        core.output_lost("a", "k/a", "pump failed", "EngineDeadError", 3.0, group_lost=True) == []
+    )
+    assert core.status_of("a") is S.PREEMPTED
+    state = core.scheduler.get_request_state("a")
+    assert state is not None and state.history[-3:] == [S.RUNNING, S.PACKING, S.PREEMPTED]
+    lost = core.output_lost("b", "k/b", "no such output", "WorkerError", 3.0)
+    assert terminals(lost) == {"b": S.FINISHED_ERROR}
+    assert core.output_lost("b", "k/b", "twice", "WorkerError", 3.0) == []  # stale
+    assert_clean(core, trace)
+
+
+# -- ending ---------------------------------------------------------------------------------
+
+
+def test_close_ends_every_live_request_and_refuses_new_ones() -> None:
+    core, trace = make(max_num_seqs=1)
+    for rid in ("p", "r", "w"):
+        admit(core, rid)
+    core.runner_output(schedule(core), result(RunnerOutput("p", async_output_id="k/p")), 2.0)
+    schedule(core, 2.0)
+    instructions = core.close(3.0)
+    assert instructions[:2] == [StopForwards(("r",)), DropOutput("k/p", "p")]
+    assert terminals(instructions) == dict.fromkeys(("p", "r", "w"), S.FINISHED_ABORTED)
+    assert {i.output.error_type for i in instructions if isinstance(i, DeliverTerminal)} == {
+        "EngineClosedError"
+    }
+    assert core.close(3.1) == []
+    with pytest.raises(EngineClosedError):
+        admit(core, "late")
+    assert core.health().state is EngineState.CLOSED
+    assert core.statistics().worker_group is GroupState.STOPPED
+    assert all(not ids for ids in core.leftovers().values())
+    assert_clean(core, trace, closed=True)
+
+
+def test_death_ends_every_live_request_with_an_engine_dead_error() -> None:
+    core, trace = make()
+    admit(core, "a")
+    schedule(core)
+    instructions = core.die(RuntimeError("supervisor gave up"), 2.0)
+    assert terminals(instructions) == {"a": S.FINISHED_ERROR}
+    final = instructions[-1]
+    assert isinstance(final, DeliverTerminal) and final.output.error_type == "EngineDeadError"
+    with pytest.raises(EngineDeadError, match="supervisor gave up"):
+        admit(core, "b")
+    assert core.die(RuntimeError("again"), 3.0) == []
+    assert core.close(3.0) == []  # closing a dead engine ends nothing more
+    assert core.health().state is EngineState.DEAD
+    assert_clean(core, trace, closed=True)
+
+
+# -- step mode ------------------------------------------------------------------------------
+
+
+def step(rid: str, k: int, total: int, *, images: Any = None, done: bool = False) -> RunnerOutput:
+    return RunnerOutput(rid, images=images, finished=done, step_index=k, total_steps=total)
+
+
+def test_step_mode_previews_count_the_steps_the_worker_runs() -> None:
+    core, trace = make(step_execution=True, streaming_output=True)
+    admit(core, "a", num_inference_steps=5)
+    # The worker runs only 3 steps (a model may make fewer than were asked for).
+    first = core.runner_output(schedule(core), result(step("a", 1, 3, images=("p1",))), 1.0)
+    [chunk] = first
+    assert isinstance(chunk, DeliverChunk)
+    assert (chunk.output.chunk_index, chunk.output.total_chunks) == (0, 3)
+    core.runner_output(schedule(core, 2.0), result(step("a", 2, 3, images=("p2",))), 2.0)
+    last = core.runner_output(
+        schedule(core, 3.0), result(step("a", 3, 3, images=("final",), done=True)), 3.0
+    )
+    [deliver] = last
+    assert isinstance(deliver, DeliverTerminal)
+    assert (deliver.output.chunk_index, deliver.output.total_chunks) == (2, 3)
+    # The workers hear of the finished id in an eviction-only tick.
+    assert core.has_work()
+    evict = schedule(core, 4.0)
+    assert evict.is_empty and evict.finished_req_ids == {"a"}
+    core.runner_output(evict, result(), 4.0)
+    assert not core.has_work()
+    assert_clean(core, trace)
+
+
+def test_step_mode_preemption_keeps_progress_and_only_between_forwards() -> None:
+    core, trace = make(step_execution=True)
+    admit(core, "a", num_inference_steps=3)
+    out = schedule(core)
+    assert core.preempt("a", 1.5) is False  # a forward is in flight
+    core.runner_output(out, result(step("a", 1, 3)), 2.0)
+    assert core.preempt("a", 2.5) is True
+    assert core.status_of("a") is S.PREEMPTED
+    assert core.preempt("a", 2.6) is False
+    again = schedule(core, 3.0)
+    assert again.scheduled_cached_reqs == ("a",)  # its worker kept the step state
+    state = core.scheduler.get_request_state("a")
+    assert state is not None and state.num_computed_steps == 1
+    [e] = [e for e in trace if e.kind is K.PREEMPT]
+    assert e.detail == {"progress": 1}
+    assert_clean(core, trace)

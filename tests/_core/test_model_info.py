@@ -1,0 +1,34 @@
+"""ModelInfo: what admission asks a model (default and fixed sizes, the warmup request)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_trio._core.model_info import ModelInfo
+from omni_trio.errors import InvalidRequestError
+
+FREE = ModelInfo("sd", "text2image", True, 512, 768, True, supports_steps=True)
+FIXED = ModelInfo("ddim", "unconditional", True, 32, 32, False, fixed_size=True)
+
+
+def test_unset_sides_take_the_default_and_set_ones_stay() -> None:
+    assert FREE.resolve_size(None, None) == (512, 768)
+    assert FREE.resolve_size(64, None) == (64, 768)
+    assert FREE.resolve_size(64, 128) == (64, 128)
+
+
+def test_a_fixed_size_model_renders_only_its_own_size() -> None:
+    assert FIXED.resolve_size(None, None) == (32, 32)
+    assert FIXED.resolve_size(32, None) == (32, 32)
+    with pytest.raises(InvalidRequestError, match=r"only renders 32x32, not 64x32") as info:
+        FIXED.resolve_size(32, 64)
+    assert info.value.param == "size"
+
+
+def test_warmup_is_small_and_seeded() -> None:
+    warm = FREE.warmup_sampling()
+    assert (warm.height, warm.width, warm.num_inference_steps, warm.seed) == (64, 64, 2, 0)
+    small = ModelInfo("tiny", "echo", True, 32, 48, False).warmup_sampling()
+    assert (small.height, small.width) == (32, 32)
+    fixed = FIXED.warmup_sampling()
+    assert (fixed.height, fixed.width) == (None, None)  # admission resolves its one size
