@@ -27,12 +27,24 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ._cli_args import finite_float, nonneg_int, positive_int, size_arg
+from ._cli_exit import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    CliError,
+    run_command,
+    walk_exceptions,
+    warn,
+)
 from ._cli_render import (
     RequestView,
     build_grid,
@@ -40,7 +52,6 @@ from ._cli_render import (
     format_statistics,
     format_table,
     output_paths,
-    parse_size,
     progress_line,
     redraw_block,
     status_label,
@@ -58,12 +69,6 @@ __all__ = ["DEMO_PROMPTS", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_U
 
 log = logging.getLogger("omni_trio.cli")
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-
-PROG = "omni-trio"
 DEFAULT_MODEL = "builtin:tiny-sd"
 # The demo's model draws what its prompts ask for (trained here; see omni_trio.models.shapes).
 DEMO_MODEL = "builtin:shapes"
@@ -84,52 +89,7 @@ DEMO_PREVIEW_FRAMES = 8  # previews in the strip (at most; the final image is ad
 DEMO_BASE_SEED = 1234
 
 
-class CliError(Exception):
-    """An expected failure: printed as one line; ``code`` is the exit status."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 # -- argument parsing ------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_engine_options(
@@ -147,13 +107,13 @@ def _add_engine_options(
     )
     group.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"requests fused into one forward (default: {max_num_seqs_default})",
     )
     group.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="torch threads of the worker (default: cores / workers)",
     )
@@ -185,21 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render one prompt and write the image(s) as PNG.",
     )
     gen.add_argument("prompt", help="the text prompt")
-    gen.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (20)")
+    gen.add_argument("--steps", type=positive_int, default=20, help="denoising steps (20)")
     gen.add_argument(
-        "--seed", type=_nonneg_int, default=None, help="random seed (default: random, printed)"
+        "--seed", type=nonneg_int, default=None, help="random seed (default: random, printed)"
     )
-    gen.add_argument("--guidance", type=_finite_float, default=7.5, help="guidance scale (7.5)")
+    gen.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale (7.5)")
     gen.add_argument("--negative-prompt", default=None, help="what the image should not show")
     gen.add_argument(
         "--size",
-        type=_size,
+        type=size_arg,
         default=None,
         metavar="WxH",
         help="output size, multiples of 8 (default: the model's size)",
     )
     gen.add_argument(
-        "-n", "--num-outputs", type=_positive_int, default=1, help="images for the prompt (1)"
+        "-n", "--num-outputs", type=positive_int, default=1, help="images for the prompt (1)"
     )
     gen.add_argument(
         "-o",
@@ -229,24 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="demo-grid.png", help="grid image to write (demo-grid.png)")
     demo.add_argument(
         "--prompts",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         help=f"how many prompts to submit (default 8; the {len(DEMO_PROMPTS)} built-in "
         "prompts repeat past that)",
     )
-    demo.add_argument("--steps", type=_positive_int, default=20, help="denoising steps (20)")
+    demo.add_argument("--steps", type=positive_int, default=20, help="denoising steps (20)")
     demo.add_argument(
         "--seed",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=DEMO_BASE_SEED,
         help=f"seed of the first prompt; prompt i uses seed+i (default {DEMO_BASE_SEED})",
     )
-    demo.add_argument("--guidance", type=_finite_float, default=7.5, help="guidance scale (7.5)")
+    demo.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale (7.5)")
     demo.add_argument(
-        "--size", type=_size, default=None, metavar="WxH", help="output size (model default)"
+        "--size", type=size_arg, default=None, metavar="WxH", help="output size (model default)"
     )
     demo.add_argument(
-        "--cell", type=_positive_int, default=160, help="grid tile size in pixels (160)"
+        "--cell", type=positive_int, default=160, help="grid tile size in pixels (160)"
     )
     demo.add_argument("--no-warmup", action="store_true", help="skip the engine warmup")
     demo.add_argument(
@@ -286,71 +246,15 @@ def _add_plugin_commands(subparsers: Any) -> None:
     except ModuleNotFoundError as exc:
         if exc.name == "omni_trio.bench":
             return
-        _warn(f"bench command unavailable: {exc}")
+        warn(f"bench command unavailable: {exc}")
         return
     except ImportError as exc:
-        _warn(f"bench command unavailable: {exc}")
+        warn(f"bench command unavailable: {exc}")
         return
     try:
         add_bench_parser(subparsers)
     except Exception as exc:
-        _warn(f"bench command unavailable: {type(exc).__name__}: {exc}")
-
-
-def _warn(message: str) -> None:
-    print(f"{PROG}: warning: {message}", file=sys.stderr)
-
-
-# -- errors ----------------------------------------------------------------------------------
-
-
-def _walk(exc: BaseException, *, contexts: bool = False) -> list[BaseException]:
-    """``exc``, the members of exception groups inside it and its cause chain (and, with
-    ``contexts``, the exceptions it was raised while handling), depth first."""
-    seen: set[int] = set()
-    order: list[BaseException] = []
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        order.append(current)
-        children: list[BaseException] = []
-        if isinstance(current, BaseExceptionGroup):
-            children.extend(current.exceptions)
-        if current.__cause__ is not None:
-            children.append(current.__cause__)
-        if contexts and current.__context__ is not None:
-            children.append(current.__context__)
-        stack.extend(reversed(children))
-    return order
-
-
-def _classify(exc: BaseException) -> CliError | None:
-    """Map an expected failure to a :class:`CliError`; None for anything else (a bug)."""
-    from .errors import InvalidConfigError, InvalidRequestError, OmniTrioError
-
-    found = _walk(exc)
-    for item in found:
-        if isinstance(item, CliError):
-            return item
-    for item in found:
-        if isinstance(item, InvalidRequestError | InvalidConfigError):
-            return CliError(str(item), EXIT_USAGE)
-    for item in found:
-        if isinstance(item, OmniTrioError):
-            return CliError(str(item), EXIT_FAILED)
-    if isinstance(exc, OSError):
-        return CliError(str(exc), EXIT_FAILED)
-    if isinstance(exc, RuntimeError) and str(exc).startswith("engine warmup failed"):
-        return CliError(str(exc), EXIT_FAILED)
-    return None
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return code
+        warn(f"bench command unavailable: {type(exc).__name__}: {exc}")
 
 
 # -- progress display ------------------------------------------------------------------------
@@ -517,20 +421,6 @@ def _save_png(image: Any, path: Path) -> None:
     image.save(path, format=None if path.suffix else "PNG")
 
 
-def _run(fn: Callable[[], int]) -> int:
-    """Run a command body, turning expected failures into one-line errors."""
-    try:
-        return fn()
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as exc:
-        error = _classify(exc)
-        if error is None:
-            raise
-        return _fail(str(error), error.code)
-
-
 # -- generate ----------------------------------------------------------------------------------
 
 
@@ -552,7 +442,7 @@ def _generate_params(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``omni-trio generate``: one request, a progress bar on stderr, PNG(s) on disk."""
-    return _run(lambda: _generate_main(args))
+    return run_command(lambda: _generate_main(args))
 
 
 def _generate_main(args: argparse.Namespace) -> int:
@@ -614,7 +504,7 @@ class _DemoRun:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``omni-trio demo``: several prompts at once, live progress, a grid, a table, stats."""
-    return _run(lambda: _demo_main(args))
+    return run_command(lambda: _demo_main(args))
 
 
 def _demo_main(args: argparse.Namespace) -> int:
@@ -654,7 +544,7 @@ def _demo_main(args: argparse.Namespace) -> int:
     except Exception as exc:
         # A model that cannot fuse requests refuses max_num_seqs > 1: fall back to 1
         # unless the user asked for it explicitly.
-        error = next((e for e in _walk(exc) if isinstance(e, InvalidConfigError)), None)
+        error = next((e for e in walk_exceptions(exc) if isinstance(e, InvalidConfigError)), None)
         if explicit_seqs or error is None or error.field != "max_num_seqs":
             raise
         print(f"note: {error}; running with max_num_seqs 1")
@@ -701,7 +591,7 @@ def _write_preview_strip(
     try:
         frames = trio.run(_stream_previews, streaming, prompt, params.replace(seed=seed))
     except Exception as exc:
-        error = next((e for e in _walk(exc) if isinstance(e, InvalidConfigError)), None)
+        error = next((e for e in walk_exceptions(exc) if isinstance(e, InvalidConfigError)), None)
         if error is None or error.field != "step_execution":
             raise
         print(f"note: no previews strip: {error}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._core.engine_core import CoreConfig
 from ._core.request import RequestLimits
 from .errors import InvalidConfigError
 
@@ -229,6 +230,21 @@ class EngineConfig:
                 f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]
             )
         return dataclasses.replace(self, **changes)
+
+    def core_config(self, *, output_timeout_s: float = 600.0) -> CoreConfig:
+        """What the engine core decides with (``output_timeout_s``: how long a request
+        may wait for its packed output)."""
+        return CoreConfig(
+            step_execution=self.step_execution,
+            max_num_seqs=self.max_num_seqs,
+            request_batch_max_wait_ms=self.request_batch_max_wait_ms,
+            streaming_output=self.streaming_output,
+            preview_interval=self.preview_interval,
+            limits=self.request_limits,
+            max_retries_on_worker_failure=self.max_retries_on_worker_failure,
+            fault_injection=self.fault_injection,
+            output_timeout_s=output_timeout_s,
+        )
 
     @property
     def request_limits(self) -> RequestLimits:

@@ -74,17 +74,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
+from ._cli_args import nonneg_int, positive_int
+from ._cli_exit import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    CliError,
+    run_command,
+    walk_exceptions,
+)
 from ._core.trace import TraceRecorder
-from .cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, PROG, CliError, _nonneg_int, _positive_int, _run
 
 if TYPE_CHECKING:
     from hypothesis import Phase
     from hypothesis import settings as Settings
     from hypothesis.stateful import RuleBasedStateMachine
 
+    from ._core.faults import Fault
     from .testing.driver import EngineDriver
     from .testing.machine import CampaignStats, MachineOptions
-    from .worker.faults import Fault
 
 __all__ = [
     "CHUNK_TARGET_S",
@@ -137,7 +146,7 @@ _CAMPAIGN_FLAGS = {
 
 def fuzzable_faults() -> tuple[Fault, ...]:
     """Every per-request fault kind (``fail_warmup`` is an engine option, not a request's)."""
-    from .worker.faults import Fault
+    from ._core.faults import Fault
 
     return tuple(f for f in Fault if f is not Fault.FAIL_WARMUP)
 
@@ -205,21 +214,21 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     campaign.add_argument(
         "--examples",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="stop after this many examples",
     )
     campaign.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help=f"rules per example (stateful_step_count, default {DEFAULT_STEPS})",
     )
     campaign.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="engine batch size (2)",
@@ -249,7 +258,7 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     campaign.add_argument(
         "--seed",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=None,
         metavar="N",
         help="seed the campaign: chunk k runs under @seed(SEED + k) (default: random)",
@@ -282,7 +291,7 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
     """``omni-trio fuzz``: a campaign, or ``--replay`` of a reproducer."""
-    return _run(lambda: _fuzz_main(args))
+    return run_command(lambda: _fuzz_main(args))
 
 
 def _fuzz_main(args: argparse.Namespace) -> int:
@@ -709,9 +718,7 @@ def _keeping_trace(
 
 def _chain(exc: BaseException) -> list[BaseException]:
     """``exc``, the members of groups in it, and its causes and contexts, depth first."""
-    from .cli import _walk
-
-    return _walk(exc, contexts=True)
+    return walk_exceptions(exc, contexts=True)
 
 
 def _notes(exc: BaseException) -> list[str]:

@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from omni_trio.models.builtin import MARKER
-    from omni_trio.models.loading import quiet_hf
+    from omni_trio.models.progress_bars import quiet_hf
     from omni_trio.models.shapes._architecture import MAX_TOKENS, build_untrained_pipeline
     from omni_trio.models.shapes._dataset import make_batch
 

@@ -19,7 +19,6 @@ from PIL import Image
 
 from omni_trio import cli
 from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from omni_trio.errors import EngineDeadError, InvalidConfigError, RequestFailedError
 from omni_trio.models import decode_echo_image
 from omni_trio.models.shapes import SHAPES
 from tests.fakes import ScriptedModel, register_models
@@ -296,22 +295,6 @@ def test_bad_input_exit_code_from_the_console_script(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_USAGE
     assert "width must be a multiple of 8" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_classify_maps_errors_to_exit_codes() -> None:
-    usage = cli._classify(InvalidConfigError("bad", field="model"))
-    assert usage is not None and usage.code == EXIT_USAGE
-    failed = cli._classify(RequestFailedError("r", "boom", "ValueError"))
-    assert failed is not None and failed.code == EXIT_FAILED
-    # found inside exception groups and cause chains too
-    group = BaseExceptionGroup("wrapped", [RuntimeError("x"), EngineDeadError("gone")])
-    dead = cli._classify(group)
-    assert dead is not None and (dead.code, str(dead)) == (EXIT_FAILED, "gone")
-    warmup = RuntimeError("engine warmup failed: oops")
-    warmup.__cause__ = InvalidConfigError("cannot batch", field="max_num_seqs")
-    caused = cli._classify(warmup)
-    assert caused is not None and caused.code == EXIT_USAGE
-    assert cli._classify(KeyError("a bug")) is None
 
 
 def test_generate_a_failed_request_exits_1_with_one_line(

@@ -22,9 +22,9 @@ import trio
 
 from .._core.request import DiffusionRequest, SamplingParams
 from ..errors import OmniTrioError, RequestAbortedError, RequestFailedError
-from ..executors.worker_thread import WorkerThread
 from ..runtime.engine import AsyncEngine
 from ..worker.runner import convert_output
+from ..worker.worker_thread import WorkerThread
 
 if TYPE_CHECKING:
     from ..models import DiffusionModel

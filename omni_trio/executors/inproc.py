@@ -29,9 +29,9 @@ from ..worker.faults import WorkerFatalError
 from ..worker.runner import StepProgress
 from ..worker.stop_flags import StopFlags
 from ..worker.worker import Worker
+from ..worker.worker_thread import WorkerThread
 from .base import Executor, WorkerState
 from .result_pump import ResultPump, ThreadReplySender
-from .worker_thread import WorkerThread
 
 __all__ = ["InprocExecutor"]
 

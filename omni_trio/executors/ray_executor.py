@@ -426,7 +426,7 @@ class RayExecutor(GroupExecutor):
         """Join Ray, reserve the placement group, start every actor and load the model in
         each (concurrently), report ready, then run until cancelled or until the group
         fails.  Teardown: see :meth:`_stop_actors`."""
-        from ..models import ModelInfo
+        from .._core.model_info import ModelInfo
         from ..worker.ray_actor import CONTROL_CONCURRENCY, CONTROL_GROUP, RayWorker
 
         self._token = trio.lowlevel.current_trio_token()

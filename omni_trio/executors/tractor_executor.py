@@ -129,7 +129,7 @@ FORKSERVER_PRELOAD = (
     "omni_trio.ipc",
     "omni_trio.models.loading",
     "omni_trio.models.pipeline",
-    "omni_trio.executors.worker_thread",
+    "omni_trio.worker.worker_thread",
     "omni_trio.worker.worker",
     "omni_trio.worker.tractor_actor",
 )
@@ -313,7 +313,7 @@ class TractorExecutor(GroupExecutor):
         _silence_tractor_warnings()  # before the first import of tractor, which warns
         import tractor
 
-        from ..models import ModelInfo
+        from .._core.model_info import ModelInfo
         from ..worker.tractor_actor import WORKER_MODULE
 
         start_method = self.config.worker_start_method

@@ -15,33 +15,32 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._core.model_info import FAMILIES as FAMILIES
 from .._core.model_info import Family as Family
 from .._core.model_info import ModelInfo as ModelInfo
 from .._core.request import DiffusionRequest
+from .step import MODEL_OUTPUT_TYPES as MODEL_OUTPUT_TYPES
+from .step import ModelOutputType as ModelOutputType
+from .step import StepAdapter
 
 if TYPE_CHECKING:
     import torch
-
-    from ..worker.cfg_parallel import CfgParallel
-    from .step import StepAdapter
 
 __all__ = [
     "FAMILIES",
     "MODEL_OUTPUT_TYPES",
     "BatchParams",
+    "CfgSplit",
     "DiffusionModel",
     "Family",
     "ModelInfo",
     "ModelOutputType",
     "StepHook",
 ]
-
-ModelOutputType = Literal["np", "latent"]
-MODEL_OUTPUT_TYPES: tuple[str, ...] = ("np", "latent")
 
 
 class StepHook(Protocol):
@@ -126,6 +125,20 @@ class BatchParams:
         return cls(**first)
 
 
+class CfgSplit(Protocol):
+    """What a model needs of a classifier-free-guidance parallel group: hooks on its UNet and
+    a block inside which every UNet call is CFG-doubled and runs half on each rank.  The
+    worker's :class:`~omni_trio.worker.cfg_parallel.CfgParallel` is one."""
+
+    def install(self, unet: Any) -> Any:
+        """Hook ``unet``; returns a handle whose ``remove()`` takes the hooks off."""
+        ...
+
+    def guided(self) -> AbstractContextManager[None]:
+        """Split every UNet call inside the block (each is CFG-doubled)."""
+        ...
+
+
 class DiffusionModel(abc.ABC):
     """A loaded model.  One :meth:`generate` runs at a time (calls are serialised).
 
@@ -168,7 +181,7 @@ class DiffusionModel(abc.ABC):
         """
         return None
 
-    def enable_cfg_parallel(self, cfg: CfgParallel) -> bool:
+    def enable_cfg_parallel(self, cfg: CfgSplit) -> bool:
         """Split this model's classifier-free-guidance UNet calls across ``cfg``'s two ranks.
 
         Returns ``True`` if the model did (from now on every CFG-doubled call of

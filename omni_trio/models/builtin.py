@@ -223,7 +223,7 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
     the others discard their copy.  A directory without :data:`MARKER` (not ours, or damaged)
     is moved aside and rebuilt.
     """
-    from .loading import quiet_hf
+    from .progress_bars import quiet_hf
 
     target = builtin_dir(name, cache_dir)
     if (target / MARKER).is_file():

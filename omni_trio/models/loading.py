@@ -6,14 +6,14 @@ built-ins are built locally (see :mod:`omni_trio.models.builtin`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfigError
 from .builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ensure_builtin, shapes_dir
 from .echo import EchoModel
+from .progress_bars import quiet_hf as quiet_hf
 
 if TYPE_CHECKING:
     import torch
@@ -21,33 +21,6 @@ if TYPE_CHECKING:
     from .base import DiffusionModel
 
 __all__ = ["load_model", "quiet_hf"]
-
-
-@contextmanager
-def quiet_hf() -> Iterator[None]:
-    """Turn off diffusers', transformers' and huggingface_hub's progress bars inside the block.
-
-    These switches are process-global; the previous state is restored on exit.
-    """
-    import diffusers.utils.logging as diffusers_logging
-    import huggingface_hub.utils as hub_utils
-    import transformers.utils.logging as transformers_logging
-
-    restore = []
-    if diffusers_logging.is_progress_bar_enabled():
-        diffusers_logging.disable_progress_bar()
-        restore.append(diffusers_logging.enable_progress_bar)
-    if transformers_logging.is_progress_bar_enabled():
-        transformers_logging.disable_progress_bar()
-        restore.append(transformers_logging.enable_progress_bar)
-    if not hub_utils.are_progress_bars_disabled():
-        hub_utils.disable_progress_bars()
-        restore.append(hub_utils.enable_progress_bars)
-    try:
-        yield
-    finally:
-        for undo in reversed(restore):
-            undo()
 
 
 def _reject_options(model: str, options: Mapping[str, Any]) -> None:

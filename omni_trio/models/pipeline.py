@@ -35,20 +35,26 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidConfigError, InvalidRequestError
-from .base import BatchParams, DiffusionModel, Family, ModelInfo, ModelOutputType, StepHook
+from ..errors import InvalidConfigError
+from .base import (
+    BatchParams,
+    CfgSplit,
+    DiffusionModel,
+    Family,
+    ModelInfo,
+    ModelOutputType,
+    StepHook,
+)
+from .pipeline_checks import check_text2image_schedule, check_unconditional_params
 
 if TYPE_CHECKING:
     import torch
 
     from .._core.request import DiffusionRequest
-    from ..worker.cfg_parallel import CfgParallel
     from .step import StepAdapter
 
 __all__ = [
     "DiffusersModel",
-    "check_text2image_schedule",
-    "check_unconditional_params",
     "detect_family",
     "unet_step_hook",
 ]
@@ -133,39 +139,6 @@ def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
         handle.remove()
 
 
-def check_text2image_schedule(
-    info: ModelInfo, scheduler: Any, params: BatchParams, request_id: str
-) -> None:
-    """Raise :class:`InvalidRequestError` for explicit timesteps/sigmas ``scheduler`` does not
-    take (naming the model, the scheduler class and ``request_id``)."""
-    accepted = inspect.signature(scheduler.set_timesteps).parameters
-    for param, values in (("timesteps", params.timesteps), ("sigmas", params.sigmas)):
-        if values is not None and param not in accepted:
-            raise InvalidRequestError(
-                f"model {info.name}'s scheduler {type(scheduler).__name__} does "
-                f"not take explicit {param} (request {request_id!r})",
-                param=param,
-            )
-
-
-def check_unconditional_params(info: ModelInfo, params: BatchParams, request_id: str) -> None:
-    """Raise :class:`InvalidRequestError` for what an unconditional model cannot do: explicit
-    timesteps or sigmas, or a size other than its own."""
-    if params.timesteps is not None or params.sigmas is not None:
-        raise InvalidRequestError(
-            f"model {info.name} does not take explicit timesteps or sigmas "
-            f"(request {request_id!r})",
-            param="timesteps" if params.timesteps is not None else "sigmas",
-        )
-    size = (info.default_height, info.default_width)
-    if (params.height, params.width) != size:
-        raise InvalidRequestError(
-            f"model {info.name} only renders {size[1]}x{size[0]}, not "
-            f"{params.width}x{params.height} (request {request_id!r})",
-            param="size",
-        )
-
-
 class DiffusersModel(DiffusionModel):
     """A loaded diffusers pipeline of a supported family (see the module docstring)."""
 
@@ -206,7 +179,7 @@ class DiffusersModel(DiffusionModel):
         self._lock = threading.Lock()
         self._step_adapter = adapter
         # Set once by enable_cfg_parallel; the hooks stay on the UNet until close.
-        self._cfg: CfgParallel | None = None
+        self._cfg: CfgSplit | None = None
         self._cfg_hooks: Any = None
 
     @classmethod
@@ -221,7 +194,7 @@ class DiffusersModel(DiffusionModel):
 
         from diffusers import DiffusionPipeline
 
-        from .loading import quiet_hf
+        from .progress_bars import quiet_hf
         from .shapes import _vae  # noqa: F401 - diffusers resolves PixelSpaceVAE via sys.modules
 
         kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
@@ -240,6 +213,11 @@ class DiffusersModel(DiffusionModel):
         return model
 
     @property
+    def lock(self) -> threading.Lock:
+        """Held for every use of the pipeline (its step adapter's calls too)."""
+        return self._lock
+
+    @property
     def pipeline(self) -> Any:
         """The wrapped diffusers pipeline (raises ``RuntimeError`` once closed)."""
         if self._pipe is None:
@@ -255,7 +233,7 @@ class DiffusersModel(DiffusionModel):
         """
         return self._step_adapter
 
-    def enable_cfg_parallel(self, cfg: CfgParallel) -> bool:
+    def enable_cfg_parallel(self, cfg: CfgSplit) -> bool:
         """See :meth:`DiffusionModel.enable_cfg_parallel`.
 
         Done for text2image pipelines with a step adapter (whose CFG layout, all

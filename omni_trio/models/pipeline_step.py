@@ -30,21 +30,42 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .base import MODEL_OUTPUT_TYPES, BatchParams, Family, ModelOutputType
+from .base import MODEL_OUTPUT_TYPES, BatchParams, Family, ModelInfo, ModelOutputType
+from .pipeline_checks import check_text2image_schedule, check_unconditional_params
 from .step import StepAdapter, StepState, check_step_batch, check_step_left
 
 if TYPE_CHECKING:
     import torch
 
     from .._core.request import DiffusionRequest
-    from .pipeline import DiffusersModel
 
-__all__ = ["Text2ImageStepAdapter", "UnconditionalStepAdapter", "make_step_adapter"]
+__all__ = [
+    "PipelineHost",
+    "Text2ImageStepAdapter",
+    "UnconditionalStepAdapter",
+    "make_step_adapter",
+]
 
 
-def make_step_adapter(model: DiffusersModel, pipe: Any, family: Family) -> StepAdapter | None:
+class PipelineHost(Protocol):
+    """What a step adapter needs of its model (a ``DiffusersModel`` is one): what it is,
+    its pipeline, the lock every use of the pipeline holds, and the CFG-parallel block."""
+
+    info: ModelInfo
+
+    @property
+    def pipeline(self) -> Any: ...
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    def cfg_guided(self, doubled: bool) -> AbstractContextManager[None]: ...
+
+
+def make_step_adapter(model: PipelineHost, pipe: Any, family: Family) -> StepAdapter | None:
     """The step adapter for ``model`` (wrapping ``pipe`` of ``family``), or ``None`` when
     ``pipe``'s ``__call__`` is not one whose math the adapters reproduce."""
     from diffusers import DDIMPipeline, DDPMPipeline, StableDiffusionPipeline
@@ -83,7 +104,7 @@ def _row_timesteps(states: Sequence[StepState], device: torch.device) -> torch.T
 class _DiffusersStepAdapter(StepAdapter):
     """What both families share: the model lock, scheduler stepping and cleanup."""
 
-    def __init__(self, model: DiffusersModel) -> None:
+    def __init__(self, model: PipelineHost) -> None:
         self._model = model
 
     def _params(self, request: DiffusionRequest, generator: torch.Generator) -> BatchParams:
@@ -101,7 +122,7 @@ class _DiffusersStepAdapter(StepAdapter):
         """See :meth:`StepAdapter.step_scheduler`."""
         import torch
 
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             self._model.pipeline  # noqa: B018 - raises RuntimeError once the model is closed
             check_step_left(state)
             t = state.timesteps[state.step_index]
@@ -134,9 +155,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
         )
         from diffusers.utils.torch_utils import randn_tensor
 
-        from .pipeline import check_text2image_schedule
-
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             params = self._params(request, generator)
             check_text2image_schedule(self._model.info, pipe.scheduler, params, request.request_id)
@@ -196,7 +215,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
         is the empty prompt), as in ``generate``."""
         import torch
 
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             check_step_batch(states, self._batch_key)
             device = pipe._execution_device
@@ -240,7 +259,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
         import torch
 
         _check_output_type(output_type)
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             latents = state.latents
             n = latents.shape[0]
@@ -276,9 +295,7 @@ class UnconditionalStepAdapter(_DiffusersStepAdapter):
         from diffusers import DDIMPipeline
         from diffusers.utils.torch_utils import randn_tensor
 
-        from .pipeline import check_unconditional_params
-
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             params = self._params(request, generator)
             check_unconditional_params(self._model.info, params, request.request_id)
@@ -314,7 +331,7 @@ class UnconditionalStepAdapter(_DiffusersStepAdapter):
         """See :meth:`StepAdapter.denoise_step` (no guidance: one row per output)."""
         import torch
 
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             check_step_batch(states, self._batch_key)
             sample = torch.cat([state.latents for state in states])
@@ -328,7 +345,7 @@ class UnconditionalStepAdapter(_DiffusersStepAdapter):
         import torch
 
         _check_output_type(output_type)
-        with self._model._lock, torch.no_grad():
+        with self._model.lock, torch.no_grad():
             self._model.pipeline  # noqa: B018 - raises RuntimeError once the model is closed
             image = (state.latents / 2 + 0.5).clamp(0, 1)
             n = image.shape[0]

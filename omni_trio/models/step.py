@@ -25,15 +25,25 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._core.request import DiffusionRequest
-from .base import ModelOutputType
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StepAdapter", "StepState", "check_step_batch", "check_step_left"]
+__all__ = [
+    "MODEL_OUTPUT_TYPES",
+    "ModelOutputType",
+    "StepAdapter",
+    "StepState",
+    "check_step_batch",
+    "check_step_left",
+]
+
+# What a model hands the runner: HWC float arrays in [0, 1] ("np") or latent tensors.
+ModelOutputType = Literal["np", "latent"]
+MODEL_OUTPUT_TYPES: tuple[str, ...] = ("np", "latent")
 
 
 @dataclass(eq=False)

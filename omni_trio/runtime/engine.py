@@ -27,10 +27,8 @@ import functools
 import logging
 import math
 import secrets
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -39,7 +37,6 @@ from trio_typing import TaskStatus
 from .._core.engine_core import (
     WARMUP_REQUEST_ID,
     AwaitOutput,
-    CoreConfig,
     DeliverChunk,
     DeliverTerminal,
     DropOutput,
@@ -66,10 +63,11 @@ from ..errors import (
     StallError,
     WorkerError,
 )
-from ..executors.base import Executor, open_executor
+from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
-from ..supervisor import ChildSpec, RestartPolicy, Strategy, Supervisor, SupervisorEvent
 from .request_stream import RequestStream
+from .rpc_queue import RpcQueue
+from .worker_group import WorkerGroup
 
 __all__ = [
     "WARMUP_REQUEST_ID",
@@ -85,34 +83,6 @@ log = logging.getLogger(__name__)
 _S = RequestStatus
 
 
-def core_config(config: EngineConfig) -> CoreConfig:
-    """What the core decides with, from an ``EngineConfig``."""
-    return CoreConfig(
-        step_execution=config.step_execution,
-        max_num_seqs=config.max_num_seqs,
-        request_batch_max_wait_ms=config.request_batch_max_wait_ms,
-        streaming_output=config.streaming_output,
-        preview_interval=config.preview_interval,
-        limits=config.request_limits,
-        max_retries_on_worker_failure=config.max_retries_on_worker_failure,
-        fault_injection=config.fault_injection,
-        output_timeout_s=async_output_timeout_s(),
-    )
-
-
-@dataclass(eq=False)
-class _PendingRpc:
-    method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    timeout: float | None
-    unique_reply_rank: int | None
-    done: trio.Event = field(default_factory=trio.Event)
-    abandoned: bool = False
-    result: Any = None
-    error: BaseException | None = None
-
-
 def _pulse(event: trio.Event) -> trio.Event:
     event.set()
     return trio.Event()
@@ -124,16 +94,15 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, *, trace: TraceRecorder | None = None) -> None:
         self.config = config
         self.core = EngineCore(
-            core_config(config),
+            config.core_config(output_timeout_s=async_output_timeout_s()),
             trace=trace,
             id_prefix=secrets.token_hex(4),
             seed=secrets.randbits(64),
         )
         # Invariant: one send channel per request whose consumer the core delivers to.
         self._streams: dict[str, trio.MemorySendChannel[DiffusionOutput]] = {}
-        self._rpcs: deque[_PendingRpc] = deque()
-        self._rpc_running = False
-        self._wake = trio.Event()  # work for the loop
+        self._rpcs = RpcQueue(on_queued=self._wake_loop)
+        self._wake = trio.Event()  # work for the loop (set by _wake_loop)
         self._changed = trio.Event()  # pulsed after every carried-out event (wait_idle)
         self._timer_wake = trio.Event()  # a deadline appeared
         self._timer_idle = True
@@ -145,7 +114,6 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._ended = trio.Event()  # set when the engine died or closed
         self._executor: Executor | None = None
-        self._supervisor: Supervisor | None = None
         self._warming = False  # warmup traffic is nobody's request: kept out of statistics
 
     @property
@@ -169,6 +137,9 @@ class AsyncEngine:
         if self._executor is None:
             raise EngineClosedError("the engine has no worker group yet")
         return self._executor
+
+    def _wake_loop(self) -> None:
+        self._wake.set()
 
     # -- carrying out --------------------------------------------------------------------
 
@@ -235,35 +206,9 @@ class AsyncEngine:
             log.exception("engine core failed on an output of %s", request_id)
             self._die(exc)
 
-    # -- supervision ---------------------------------------------------------------------
+    # -- the worker group (GroupEvents) ---------------------------------------------------
 
-    def _restart_policy(self) -> RestartPolicy:
-        c = self.config
-        return RestartPolicy(
-            max_restarts=c.max_worker_restarts,
-            window_s=c.worker_restart_window_s,
-            backoff_s=c.worker_restart_backoff_s,
-            backoff_max_s=max(c.worker_restart_backoff_s, c.worker_restart_backoff_max_s),
-        )
-
-    async def _serve_worker_group(
-        self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """The supervised child: one executor (the whole worker group, restarted as one --
-        a collective group is never partially restarted).  Runs until the group fails
-        closed, then raises its failure so the supervisor restarts it.  Cancellation closes
-        the group (bounded)."""
-        async with open_executor(self.config) as executor:
-            self._install(executor)
-            task_status.started(executor)
-            reason = await executor.wait_failed()
-        if not self.core.accepting:
-            return  # failed while the engine closes: nothing to restart
-        if isinstance(reason, Exception):
-            raise reason
-        raise WorkerError(f"worker group failed: {reason!r}")  # pragma: no cover
-
-    def _install(self, executor: Executor) -> None:
+    def group_started(self, executor: Executor) -> None:
         """A worker group started: make it the current one and wake the loop."""
         old = self.core.model_info
         if old is not None and executor.model_info not in (None, old):
@@ -275,6 +220,25 @@ class AsyncEngine:
         self._group_changed = _pulse(self._group_changed)
         self._changed = _pulse(self._changed)
         self._wake.set()
+
+    def group_failed(self, error: BaseException | None) -> None:
+        self._observe_group()
+        if self.core.group is GroupState.RUNNING and self.core.accepting:
+            # The group ended without failing closed (a backend bug): the same thing.
+            error = error or WorkerError("worker group exited")
+            self._carry_out(
+                self.core.group_failed(str(error), type(error).__name__, trio.current_time()),
+                self._executor,
+            )
+
+    def group_restarting(self) -> None:
+        self.core.group_restarting()
+
+    def group_gave_up(self, error: RestartLimitError) -> None:
+        self._die(error)
+
+    def wants_groups(self) -> bool:
+        return self.core.accepting
 
     def _observe_group(self) -> None:
         """If the current group failed closed and the core does not know yet, tell it."""
@@ -292,32 +256,6 @@ class AsyncEngine:
         )
         self._carry_out(instructions, executor)
 
-    def _on_supervisor_event(self, event: SupervisorEvent) -> None:
-        if event.kind in ("failed", "exited"):
-            self._observe_group()
-            if self.core.group is GroupState.RUNNING and self.core.accepting:
-                # The group ended without failing closed (a backend bug): the same thing.
-                error = event.error or WorkerError("worker group exited")
-                self._carry_out(
-                    self.core.group_failed(str(error), type(error).__name__, trio.current_time()),
-                    self._executor,
-                )
-        elif event.kind == "restarting":
-            self.core.group_restarting()
-
-    async def _run_supervisor(
-        self,
-        supervisor: Supervisor,
-        *,
-        task_status: TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Run the worker-group supervisor; past its restart limit the engine dies."""
-        try:
-            await supervisor.serve(task_status=task_status)
-        except RestartLimitError as exc:
-            log.error("engine dead: %s", exc)
-            self._die(exc)
-
     # -- the loop ------------------------------------------------------------------------
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -330,14 +268,7 @@ class AsyncEngine:
             with trio.CancelScope() as scope:
                 self._loop_scope = scope
                 async with trio.open_nursery() as nursery:
-                    self._supervisor = Supervisor(
-                        [ChildSpec("worker-group", self._serve_worker_group, restart="transient")],
-                        strategy=Strategy.ONE_FOR_ALL,
-                        policy=self._restart_policy(),
-                        name="engine",
-                        on_event=self._on_supervisor_event,
-                    )
-                    await nursery.start(self._run_supervisor, self._supervisor)
+                    await nursery.start(WorkerGroup(self.config, self).serve)
                     nursery.start_soon(self._serve_deadlines)
                     started = True
                     # From now on only aclose() (or death) ends the loop and the workers: a
@@ -379,7 +310,8 @@ class AsyncEngine:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            await self._run_rpcs(executor)
+            await self._rpcs.run_pending(executor)
+            self._changed = _pulse(self._changed)
             if not core.has_work():
                 continue
             while (deadline := core.admission_wait(trio.current_time())) is not None:
@@ -430,31 +362,6 @@ class AsyncEngine:
             sched_out, result, trio.current_time(), worker=executor.output_rank
         )
         self._carry_out(instructions, executor)
-
-    async def _run_rpcs(self, executor: Executor) -> None:
-        while self._rpcs:
-            rpc = self._rpcs.popleft()
-            if rpc.abandoned:
-                continue
-            self._rpc_running = True
-            try:
-                rpc.result = await executor.collective_rpc(
-                    rpc.method,
-                    *rpc.args,
-                    timeout=rpc.timeout,
-                    unique_reply_rank=rpc.unique_reply_rank,
-                    **rpc.kwargs,
-                )
-            except trio.Cancelled:
-                rpc.error = EngineClosedError("engine closed while the RPC ran")
-                rpc.done.set()
-                raise
-            except Exception as exc:
-                rpc.error = exc
-            finally:
-                self._rpc_running = False
-            rpc.done.set()
-            self._changed = _pulse(self._changed)
 
     # -- admission -----------------------------------------------------------------------
 
@@ -573,27 +480,9 @@ class AsyncEngine:
         self.core.check_open()
         if timeout is None:
             timeout = self.config.rpc_timeout_s
-        rpc = _PendingRpc(method, args, kwargs, timeout, unique_reply_rank)
-        self._rpcs.append(rpc)
-        self._wake.set()
-        try:
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                await rpc.done.wait()
-        except trio.TooSlowError:
-            rpc.abandoned = True
-            raise StallError("rpc", f"RPC {method!r} did not finish within {timeout} s") from None
-        except BaseException:
-            rpc.abandoned = True
-            raise
-        if rpc.error is not None:
-            raise rpc.error
-        return rpc.result
-
-    def _fail_rpcs(self, error: BaseException) -> None:
-        for rpc in self._rpcs:
-            rpc.error = error
-            rpc.done.set()
-        self._rpcs.clear()
+        return await self._rpcs.call(
+            method, args, kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank
+        )
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, where the backend tracks it."""
@@ -658,7 +547,7 @@ class AsyncEngine:
             and core.dispatch is None
             and core.scheduler.num_packing == 0
             and not self._rpcs
-            and not self._rpc_running
+            and not self._rpcs.running
         )
 
     async def wait_idle(self) -> None:
@@ -705,7 +594,7 @@ class AsyncEngine:
             return
         self._ended.set()
         self._carry_out(core.die(exc, trio.current_time()), self._executor)
-        self._fail_rpcs(EngineDeadError(f"engine died: {type(exc).__name__}: {exc}"))
+        self._rpcs.fail_all(EngineDeadError(f"engine died: {type(exc).__name__}: {exc}"))
         self._group_changed = _pulse(self._group_changed)
         if self._loop_scope is not None:
             self._loop_scope.cancel()
@@ -728,7 +617,7 @@ class AsyncEngine:
                 dead = self.core.dead is not None
                 self._carry_out(self.core.close(trio.current_time()), self._executor)
                 if not dead:
-                    self._fail_rpcs(EngineClosedError("engine is closed"))
+                    self._rpcs.fail_all(EngineClosedError("engine is closed"))
                 # Close the worker group gracefully first (each worker stops its forward at
                 # a step and exits); then stop the loop and the supervisor.
                 if self._executor is not None:
@@ -746,7 +635,7 @@ class AsyncEngine:
             return
         held: dict[str, Any] = {k: sorted(v) for k, v in self.leftovers().items() if v}
         if self._rpcs:
-            held["queued_rpcs"] = [rpc.method for rpc in self._rpcs]
+            held["queued_rpcs"] = self._rpcs.methods
         trace.record(trio.current_time(), TraceKind.CLOSED, detail={"leftovers": held})
 
 

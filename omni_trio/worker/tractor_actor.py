@@ -174,9 +174,9 @@ async def serve_worker(
 
     from .._core.messages import AsyncOutput, AsyncOutputKind
     from ..config import EngineConfig
-    from ..executors.worker_thread import WorkerThread
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
     from .worker import Worker
+    from .worker_thread import WorkerThread
 
     # First of all: never outlive the engine (a no-op where the watch is already armed).
     watch_parent_process(engine_pid)

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from omni_trio.errors import EngineClosedError, StallError
-from omni_trio.executors.worker_thread import WorkerThread
+from omni_trio.worker.worker_thread import WorkerThread
 
 # Real-thread waits in these tests are bounded by this (a hung test fails instead of hanging).
 GATE_S = 10.0

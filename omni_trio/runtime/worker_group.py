@@ -1,0 +1,103 @@
+"""The engine's worker group under supervision: one executor at a time, restarted as a whole.
+
+A collective group is never partially restarted: the executor (every worker of the group) is
+the one child of a ``one_for_all`` :class:`~omni_trio.supervisor.Supervisor` with the
+engine's restart policy (backoff inside a restart-intensity limit).  The group tells its
+owner what happens through :class:`GroupEvents`; the owner decides what that means for its
+requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import trio
+from trio_typing import TaskStatus
+
+from ..config import EngineConfig
+from ..errors import RestartLimitError, WorkerError
+from ..executors.base import Executor, open_executor
+from ..supervisor import ChildSpec, RestartPolicy, Strategy, Supervisor, SupervisorEvent
+
+__all__ = ["GroupEvents", "WorkerGroup", "restart_policy"]
+
+log = logging.getLogger(__name__)
+
+
+class GroupEvents(Protocol):
+    """What a worker group reports to its owner (all on the owner's trio thread)."""
+
+    def group_started(self, executor: Executor) -> None:
+        """A group is up and ready (the first, or a restart)."""
+
+    def group_failed(self, error: BaseException | None) -> None:
+        """The current group failed closed or ended (``error``: what the supervisor saw)."""
+
+    def group_restarting(self) -> None:
+        """A restart begins, after its backoff."""
+
+    def group_gave_up(self, error: RestartLimitError) -> None:
+        """Past the restart limit: no group will come."""
+
+    def wants_groups(self) -> bool:
+        """Whether a failed group is to be replaced (False while the owner closes)."""
+
+
+def restart_policy(config: EngineConfig) -> RestartPolicy:
+    return RestartPolicy(
+        max_restarts=config.max_worker_restarts,
+        window_s=config.worker_restart_window_s,
+        backoff_s=config.worker_restart_backoff_s,
+        backoff_max_s=max(config.worker_restart_backoff_s, config.worker_restart_backoff_max_s),
+    )
+
+
+class WorkerGroup:
+    """The supervised worker group of one engine; :attr:`current` is the running executor."""
+
+    def __init__(self, config: EngineConfig, events: GroupEvents) -> None:
+        self.config = config
+        self._events = events
+        self.current: Executor | None = None
+        self._supervisor = Supervisor(
+            [ChildSpec("worker-group", self._serve_one, restart="transient")],
+            strategy=Strategy.ONE_FOR_ALL,
+            policy=restart_policy(config),
+            name="engine",
+            on_event=self._on_event,
+        )
+
+    async def serve(
+        self, *, task_status: TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the first group (its startup error is raised here: nothing is retried,
+        that is a configuration error), report ready, then keep a group running until
+        cancelled (which closes it, bounded) or until the supervisor gives up."""
+        try:
+            await self._supervisor.serve(task_status=task_status)
+        except RestartLimitError as exc:
+            log.error("engine dead: %s", exc)
+            self._events.group_gave_up(exc)
+
+    async def _serve_one(
+        self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The supervised child: one executor, until it fails closed (then its failure is
+        raised, so the supervisor restarts it).  Cancellation closes it (bounded)."""
+        async with open_executor(self.config) as executor:
+            self.current = executor
+            self._events.group_started(executor)
+            task_status.started(executor)
+            reason = await executor.wait_failed()
+        if not self._events.wants_groups():
+            return  # failed while the engine closes: nothing to restart
+        if isinstance(reason, Exception):
+            raise reason
+        raise WorkerError(f"worker group failed: {reason!r}")  # pragma: no cover
+
+    def _on_event(self, event: SupervisorEvent) -> None:
+        if event.kind in ("failed", "exited"):
+            self._events.group_failed(event.error)
+        elif event.kind == "restarting":
+            self._events.group_restarting()
