@@ -11,6 +11,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import (
+    EngineClosedError,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from .lifecycle import RequestStatus
 from .request import DiffusionRequest
 
@@ -177,3 +183,18 @@ class DiffusionOutput:
     @property
     def ok(self) -> bool:
         return self.status is RequestStatus.FINISHED_COMPLETED
+
+    def raise_for_status(self) -> DiffusionOutput:
+        """Return this output if it completed; raise the matching error if it did not:
+        :class:`EngineClosedError` / :class:`EngineDeadError` when the engine ended it,
+        :class:`RequestAbortedError` when aborted, :class:`RequestFailedError` (with the
+        error text and type) when it failed."""
+        if self.status is RequestStatus.FINISHED_COMPLETED:
+            return self
+        if self.error_type == "EngineClosedError":
+            raise EngineClosedError(self.error or "engine is closed")
+        if self.error_type == "EngineDeadError":
+            raise EngineDeadError(self.error or "engine is dead")
+        if self.status is RequestStatus.FINISHED_ABORTED:
+            raise RequestAbortedError(self.request_id, self.error)
+        raise RequestFailedError(self.request_id, self.error or "failed", self.error_type)

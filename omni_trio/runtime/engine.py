@@ -1,24 +1,17 @@
 """The engine actor: the trio shell around :class:`~omni_trio._core.engine_core.EngineCore`.
 
-The core decides every per-request matter; this shell carries its instructions out and feeds
-it events.  It owns what needs trio: one output channel per request, the RPC queue, the busy
-loop, a deadline timer, and the supervised worker group::
+The core decides every per-request matter; this shell feeds it events and carries out its
+instructions.  It owns what needs trio: one output channel per request, the RPC queue
+(:mod:`.rpc_queue`), the supervised worker group (:mod:`.worker_group`), a deadline timer
+and the busy loop::
 
     wait for work -> run queued RPCs -> (admission wait) -> schedule -> execute -> carry out
 
-Control RPCs run between batches, never during one.  An execution error becomes a per-request
-error output and the loop goes on.
-
-Supervision (DESIGN.md section 5): the worker group (the executor) is the one child of a
-``one_for_all`` :class:`~omni_trio.supervisor.Supervisor`.  When the group fails closed, the
-core requeues (or fails) its in-flight requests while the supervisor restarts the group with
-backoff.  Past the restart-intensity limit, or on a bug in the loop, the engine dies: every
-open stream gets a terminal error and later calls raise :class:`EngineDeadError`.
-
-Every method runs on the engine's trio thread.  Core events are synchronous critical sections
-(no checkpoint), so they never interleave; an event that fires while instructions are being
-carried out (an output callback of the result pump) is handled in turn, nested but never
-inside another event.
+Every method runs on the engine's trio thread.  Core events are synchronous (no checkpoint),
+so they never interleave; one that fires while instructions are carried out (a result pump
+callback) is handled then, nested but never inside another event.  A bug in the loop or the
+core, or the supervisor giving up, kills the engine: every stream gets a terminal error and
+later calls raise :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -57,9 +50,6 @@ from ..config import EngineConfig
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
-    RequestAbortedError,
-    RequestFailedError,
-    RestartLimitError,
     StallError,
     WorkerError,
 )
@@ -67,7 +57,7 @@ from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
 from .request_stream import RequestStream
 from .rpc_queue import RpcQueue
-from .worker_group import WorkerGroup
+from .worker_group import GroupEvents, WorkerGroup
 
 __all__ = [
     "WARMUP_REQUEST_ID",
@@ -206,9 +196,18 @@ class AsyncEngine:
             log.exception("engine core failed on an output of %s", request_id)
             self._die(exc)
 
-    # -- the worker group (GroupEvents) ---------------------------------------------------
+    # -- the worker group --------------------------------------------------------------
 
-    def group_started(self, executor: Executor) -> None:
+    def _group_events(self) -> GroupEvents:
+        return GroupEvents(
+            started=self._group_started,
+            failed=self._group_failed,
+            restarting=self.core.group_restarting,
+            gave_up=self._die,
+            wanted=lambda: self.core.accepting,
+        )
+
+    def _group_started(self, executor: Executor) -> None:
         """A worker group started: make it the current one and wake the loop."""
         old = self.core.model_info
         if old is not None and executor.model_info not in (None, old):
@@ -221,7 +220,7 @@ class AsyncEngine:
         self._changed = _pulse(self._changed)
         self._wake.set()
 
-    def group_failed(self, error: BaseException | None) -> None:
+    def _group_failed(self, error: BaseException | None) -> None:
         self._observe_group()
         if self.core.group is GroupState.RUNNING and self.core.accepting:
             # The group ended without failing closed (a backend bug): the same thing.
@@ -230,15 +229,6 @@ class AsyncEngine:
                 self.core.group_failed(str(error), type(error).__name__, trio.current_time()),
                 self._executor,
             )
-
-    def group_restarting(self) -> None:
-        self.core.group_restarting()
-
-    def group_gave_up(self, error: RestartLimitError) -> None:
-        self._die(error)
-
-    def wants_groups(self) -> bool:
-        return self.core.accepting
 
     def _observe_group(self) -> None:
         """If the current group failed closed and the core does not know yet, tell it."""
@@ -268,7 +258,7 @@ class AsyncEngine:
             with trio.CancelScope() as scope:
                 self._loop_scope = scope
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(WorkerGroup(self.config, self).serve)
+                    await nursery.start(WorkerGroup(self.config, self._group_events()).serve)
                     nursery.start_soon(self._serve_deadlines)
                     started = True
                     # From now on only aclose() (or death) ends the loop and the workers: a
@@ -415,34 +405,17 @@ class AsyncEngine:
         return raise_for_status(final)
 
     def _consumer_dropped(self, request_id: str) -> None:
-        """A stream was finalized unread: abort its request on the loop's next turn.
-
-        Finalizers run wherever the garbage collector happens to run, including in the middle
-        of a core event on this very thread; aborting right there would re-enter the core
-        (and could finish a request twice), so the abort is always deferred.
-        """
+        """A stream was finalized unread (any thread, any moment: a finalizer may even run in
+        the middle of a core event): abort its request on the loop's next turn."""
         token = self._token
-        if token is None:  # pragma: no cover - streams exist only while the loop serves
-            self._consumer_gone(request_id)
-            return
-        try:
-            token.run_sync_soon(self._consumer_gone, request_id)
-        except trio.RunFinishedError:
-            pass
-
-    def _consumer_gone(self, request_id: str) -> None:
-        """The consumer stopped reading: abort its request.  Safe from any thread."""
-        token = self._token
-        try:
-            here = trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            here = None
-        if token is not None and here is not token:
+        if token is not None:
             try:
                 token.run_sync_soon(self._consumer_gone, request_id)
             except trio.RunFinishedError:
                 pass
-            return
+
+    def _consumer_gone(self, request_id: str) -> None:
+        """The consumer stopped reading (on this thread): abort its request."""
         send = self._streams.pop(request_id, None)
         if send is not None:
             send.close()
@@ -554,23 +527,13 @@ class AsyncEngine:
         """Return once the engine is idle and everything its workers announced has arrived
         or been released.  Unbounded (callers bound it); cancelling it is harmless."""
         while True:
-            if not self.is_idle():
+            while not self.is_idle():
                 await self._changed.wait()
-                continue
             executor = self._executor
             if executor is None or not self.core.accepting:
                 return
-            changed = self._changed
-            async with trio.open_nursery() as nursery:
-
-                async def settle(group: Executor) -> None:
-                    await group.wait_settled()
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(settle, executor)
-                await changed.wait()  # the engine moved meanwhile: look again
-                nursery.cancel_scope.cancel()
-            if not changed.is_set():
+            await executor.wait_settled()
+            if self.is_idle():
                 return
 
     async def wait_ended(self) -> None:
@@ -641,15 +604,7 @@ class AsyncEngine:
 
 def raise_for_status(output: DiffusionOutput) -> DiffusionOutput:
     """Return a completed output; raise the matching error for an aborted or failed one."""
-    if output.status is _S.FINISHED_COMPLETED:
-        return output
-    if output.error_type == "EngineClosedError":
-        raise EngineClosedError(output.error or "engine is closed")
-    if output.error_type == "EngineDeadError":
-        raise EngineDeadError(output.error or "engine is dead")
-    if output.status is _S.FINISHED_ABORTED:
-        raise RequestAbortedError(output.request_id, output.error)
-    raise RequestFailedError(output.request_id, output.error or "failed", output.error_type)
+    return output.raise_for_status()
 
 
 async def _warmup(engine: AsyncEngine) -> None:

@@ -10,7 +10,8 @@ requests.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 from trio_typing import TaskStatus
@@ -25,23 +26,22 @@ __all__ = ["GroupEvents", "WorkerGroup", "restart_policy"]
 log = logging.getLogger(__name__)
 
 
-class GroupEvents(Protocol):
-    """What a worker group reports to its owner (all on the owner's trio thread)."""
+@dataclass(frozen=True, slots=True)
+class GroupEvents:
+    """What a worker group reports to its owner (all on the owner's trio thread):
 
-    def group_started(self, executor: Executor) -> None:
-        """A group is up and ready (the first, or a restart)."""
+    ``started(executor)`` a group is up and ready (the first, or a restart);
+    ``failed(error)`` the current group failed closed or ended (what the supervisor saw);
+    ``restarting()`` a restart begins, after its backoff;
+    ``gave_up(error)`` past the restart limit: no group will come;
+    ``wanted()`` whether a failed group is to be replaced (False while the owner closes).
+    """
 
-    def group_failed(self, error: BaseException | None) -> None:
-        """The current group failed closed or ended (``error``: what the supervisor saw)."""
-
-    def group_restarting(self) -> None:
-        """A restart begins, after its backoff."""
-
-    def group_gave_up(self, error: RestartLimitError) -> None:
-        """Past the restart limit: no group will come."""
-
-    def wants_groups(self) -> bool:
-        """Whether a failed group is to be replaced (False while the owner closes)."""
+    started: Callable[[Executor], None]
+    failed: Callable[[BaseException | None], None]
+    restarting: Callable[[], None]
+    gave_up: Callable[[RestartLimitError], None]
+    wanted: Callable[[], bool]
 
 
 def restart_policy(config: EngineConfig) -> RestartPolicy:
@@ -78,7 +78,7 @@ class WorkerGroup:
             await self._supervisor.serve(task_status=task_status)
         except RestartLimitError as exc:
             log.error("engine dead: %s", exc)
-            self._events.group_gave_up(exc)
+            self._events.gave_up(exc)
 
     async def _serve_one(
         self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED
@@ -87,10 +87,10 @@ class WorkerGroup:
         raised, so the supervisor restarts it).  Cancellation closes it (bounded)."""
         async with open_executor(self.config) as executor:
             self.current = executor
-            self._events.group_started(executor)
+            self._events.started(executor)
             task_status.started(executor)
             reason = await executor.wait_failed()
-        if not self._events.wants_groups():
+        if not self._events.wanted():
             return  # failed while the engine closes: nothing to restart
         if isinstance(reason, Exception):
             raise reason
@@ -98,6 +98,6 @@ class WorkerGroup:
 
     def _on_event(self, event: SupervisorEvent) -> None:
         if event.kind in ("failed", "exited"):
-            self._events.group_failed(event.error)
+            self._events.failed(event.error)
         elif event.kind == "restarting":
-            self._events.group_restarting()
+            self._events.restarting()

@@ -293,8 +293,8 @@ class EngineDriver:
 
     def settle(self, *, timeout: float = 30.0) -> dict[str, set[str]] | None:
         """Wait until the engine is idle and its workers drained, then return everything
-        held by the engine and its workers (the ``leftovers`` RPC); None if it did not
-        settle within ``timeout`` (INV-6)."""
+        held by the engine and its workers (the ``leftovers`` RPC) and our shared-memory
+        segments (``shm_segments``); None if it did not settle within ``timeout`` (INV-6)."""
         engine = self._engine()
 
         async def wait() -> dict[str, set[str]] | None:
@@ -308,6 +308,7 @@ class EngineDriver:
                         workers = {}
                     for kind, ids in workers.items():
                         held.setdefault(kind, set()).update(ids)
+                held["shm_segments"] = set(list_our_segments())
                 return held
             return None
 

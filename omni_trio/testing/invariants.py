@@ -51,6 +51,7 @@ from .._core.lifecycle import RequestStatus
 from .._core.trace import TraceEvent, TraceKind
 
 __all__ = [
+    "ENGINE_WIDE_KINDS",
     "INVARIANTS",
     "SETTLING_KINDS",
     "STALL_PHASES",
@@ -764,6 +765,10 @@ STRICT_KINDS = frozenset(
         "pump_cached",
     }
 )
+#: Kinds whose entries belong to no one request (their names are the resource's own): empty
+#: once the engine settled.  ``shm_segments``: our segments in /dev/shm (a payload travelling
+#: between processes is consumed, and its segment unlinked, as it arrives).
+ENGINE_WIDE_KINDS = frozenset({"shm_segments"})
 #: Kinds released once the work in flight for a request has drained (a forward reaching
 #: its step boundary, a packer finishing, a late arrival being released): checked only when
 #: the engine is settled (``wait_idle``), and then they too must hold only live requests.
@@ -808,7 +813,8 @@ def check_leftovers(
     - A :data:`STRICT_KINDS` kind may hold only live requests (admitted in ``events`` and
       not cleaned up); ``pump_cached`` may also hold ``in_flight`` ids (a whole batch whose
       forward's reply has not been applied yet).
-    - With ``settled`` (the engine is idle and its workers drained), so may every other kind.
+    - With ``settled`` (the engine is idle and its workers drained), so may every other kind,
+      and :data:`ENGINE_WIDE_KINDS` (shared-memory segments) must be empty.
     - Every live request is held by the core (``requests``): none is lost.
     - The core and its shell agree: ``streams`` equals ``engine_streams`` and
       ``awaited_outputs`` equals ``pump_claims`` (each awaited output is claimed from the
@@ -833,6 +839,11 @@ def check_leftovers(
     for kind in sorted(held):
         strict = kind in STRICT_KINDS
         if not strict and not settled:
+            continue
+        if kind in ENGINE_WIDE_KINDS:
+            for name in sorted(held[kind]):
+                message = f"{kind} still holds {name!r} after the engine settled"
+                r.items.append(Violation("INV-3", message, None, (), None))
             continue
         for rid in sorted(held[kind]):
             if rid in live:

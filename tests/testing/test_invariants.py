@@ -1014,3 +1014,11 @@ def test_the_core_and_its_shell_must_agree(core_kind: str, shell_kind: str) -> N
 
 def test_every_engine_side_kind_is_strict() -> None:
     assert {"requests", "streams", "engine_streams", "pump_claims", "pump_cached"} <= STRICT_KINDS
+
+
+def test_shared_memory_left_once_settled_is_reported() -> None:
+    t = _two_requests()
+    held = {"requests": {"live"}, "shm_segments": {"omni_trio_ab_" + "0" * 32}}
+    assert check_leftovers(held, t.events) == []
+    [v] = check_leftovers(held, t.events, settled=True)
+    assert v.request_id is None and "shm_segments still holds 'omni_trio_ab_" in v.message
