@@ -16,7 +16,7 @@ from omni_trio.testing.core_machine import CoreMachineOptions, make_core_machine
 CORE_SETTINGS = settings(
     settings.default,
     max_examples=max(200, settings.default.max_examples),
-    stateful_step_count=40,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

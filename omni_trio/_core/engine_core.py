@@ -20,7 +20,6 @@ with the current time, and carries out the *instructions* it gets back, in order
     abort(ids, now) / consumer_gone(id)     StopForwards, DropOutput, DeliverTerminal
     preempt(id, now)                        -- (a step-boundary preemption)
     group_started(info, now)                --
-    group_restarting()                      -- (counts the restart)
     group_failed(error, now)                DropOutput, DeliverTerminal (requeues the rest)
     close(now) / die(error, now)            StopForwards, DropOutput, DeliverTerminal
 
@@ -219,8 +218,6 @@ class EngineCore:
         self.dead: BaseException | None = None
         self.last_failure: str | None = None
         self.last_failed_rank: int | None = None
-        # Restarts of the worker group the supervisor has begun (successful or not).
-        self.restarts = 0
         self._admitted = 0
         self._requeued = 0
         self._finished_counts = {s: 0 for s in _S if s.finished}
@@ -278,12 +275,20 @@ class EngineCore:
         """When :meth:`expire` next has something to do (None: nothing is timed)."""
         heap = self._deadlines
         while heap:
-            _, _, rid, key = heap[0]
-            entry = self._entries.get(rid)
-            if entry is not None and entry.output_key == key:
-                return heap[0][0]
+            deadline, _, rid, key = heap[0]
+            if self._awaits(rid, key, deadline):
+                return deadline
             heapq.heappop(heap)
         return None
+
+    def _awaits(self, request_id: str, key: str, deadline: float) -> bool:
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.output_key == key and entry.output_deadline == deadline
+
+    def awaits(self, request_id: str, key: str) -> bool:
+        """Whether ``request_id`` waits for the output ``key`` now."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.output_key == key
 
     def open_consumers(self) -> int:
         return sum(1 for e in self._entries.values() if e.consumer)
@@ -475,7 +480,7 @@ class EngineCore:
         out: list[Instruction] = []
         states = self._take_dispatch(sched_out)
         if states is None:
-            self._drop_announced(result, {}, out)
+            self._drop_announced(result, out)
             return out
         if self.trace is not None:
             # Every scheduled id, and any id the executor answered for on its own (INV-2).
@@ -488,7 +493,6 @@ class EngineCore:
                     worker=worker,
                     detail={"outcome": _outcome(result.get(rid))},
                 )
-        self._drop_announced(result, states, out)
         finished = self.scheduler.update_from_output(sched_out, result, now)
         entries = self._entries
         for rid in sched_out.scheduled_request_ids:
@@ -499,6 +503,7 @@ class EngineCore:
                     runner = result.get(rid)
                     assert runner is not None and runner.async_output_id is not None
                     self._await(entry, runner, now, out)
+        self._drop_announced(result, out)
         if self.config.step_execution:
             self._emit_chunks(sched_out, result, states, set(finished), now, out)
         for rid in finished:
@@ -520,26 +525,17 @@ class EngineCore:
         )
         return self.runner_output(sched_out, failure, now)
 
-    def _drop_announced(
-        self,
-        result: BatchRunnerOutput,
-        states: Mapping[str, RequestState],
-        out: list[Instruction],
-    ) -> None:
-        """Drop every announced output that will not be awaited: its request is not the
-        scheduled incarnation, or no longer running (INV-3: nothing is cached for it)."""
+    def _drop_announced(self, result: BatchRunnerOutput, out: list[Instruction]) -> None:
+        """Drop every output ``result`` announces that nobody awaits (INV-3: nothing is ever
+        cached for it): its request is not the scheduled incarnation or no longer running,
+        or its result also says it failed or was aborted."""
+        entries = self._entries
         for rid, runner in result.outputs.items():
             key = runner.async_output_id
-            if not key or runner.images is not None:
+            if not key:
                 continue
-            state = states.get(rid)
-            entry = self._entries.get(rid)
-            if (
-                state is None
-                or entry is None
-                or entry.state is not state
-                or state.status is not _S.RUNNING
-            ):
+            entry = entries.get(rid)
+            if entry is None or entry.output_key != key:
                 out.append(DropOutput(key, rid))
 
     def _await(
@@ -618,9 +614,8 @@ class EngineCore:
         out: list[Instruction] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            _, _, rid, key = heapq.heappop(heap)
-            entry = self._entries.get(rid)
-            if entry is None or entry.output_key != key:
+            deadline, _, rid, key = heapq.heappop(heap)
+            if not self._awaits(rid, key, deadline):
                 continue
             message = (
                 f"output {key!r} of request {rid!r} not ready "
@@ -745,6 +740,11 @@ class EngineCore:
 
     # -- the worker group ----------------------------------------------------------------
 
+    def _restarts(self, restarts: int | None) -> int:
+        """The supervisor's count when the shell has it (restarts made, failed starts
+        included); else the groups started after the first."""
+        return max(0, self.generation - 1) if restarts is None else restarts
+
     def group_started(self, info: ModelInfo | None, now: float) -> None:
         """A worker group is up (the first, or a restart): requests may run again."""
         first = self.generation == 0
@@ -756,10 +756,6 @@ class EngineCore:
         self.group = GroupState.RUNNING
         if not first:
             self._record(now, _K.RESTART, detail={"generation": self.generation})
-
-    def group_restarting(self) -> None:
-        """The supervisor begins a restart of the failed group (after its backoff)."""
-        self.restarts += 1
 
     def group_failed(
         self,
@@ -800,6 +796,9 @@ class EngineCore:
             if entry.output_key is not None:
                 out.append(DropOutput(entry.output_key, rid))
                 entry.output_key = None
+        # Step state the failed group held for requests preempted at a step boundary is gone
+        # too: they start again from step 0, with their payload (no retry is used up).
+        scheduler.forget_worker_state()
         reason = f"the worker group failed while this request ran ({error_type}: {error})"
         # Packing requests ran before the running ones: requeue them last so they end up first.
         self._requeue_or_fail(scheduler.running_request_ids(), reason, now, out)
@@ -965,8 +964,11 @@ class EngineCore:
             return tuple(dataclasses.replace(w, state=WorkerStatus.RESTARTING) for w in workers)
         return tuple(workers)
 
-    def health(self, workers: Iterable[WorkerState] = ()) -> EngineHealth:
-        """Never ``healthy`` unless the group is running (no worker gone or restarting)."""
+    def health(
+        self, workers: Iterable[WorkerState] = (), restarts: int | None = None
+    ) -> EngineHealth:
+        """Never ``healthy`` unless the group is running (no worker gone or restarting).
+        ``workers`` and ``restarts`` are the executor's and the supervisor's own counts."""
         reason: str | None = None
         if self.dead is not None:
             state = EngineState.DEAD
@@ -983,7 +985,7 @@ class EngineCore:
             healthy=state is EngineState.READY,
             state=state,
             reason=reason,
-            restarts=self.restarts,
+            restarts=self._restarts(restarts),
             workers=self.worker_view(workers),
             last_failure=self.last_failure,
         )
@@ -1000,7 +1002,9 @@ class EngineCore:
                 error_type="WorkerGroupRestarting",
             )
 
-    def statistics(self, workers: Iterable[WorkerState] = ()) -> EngineStatistics:
+    def statistics(
+        self, workers: Iterable[WorkerState] = (), restarts: int | None = None
+    ) -> EngineStatistics:
         counts = self._finished_counts
         scheduler = self.scheduler
         return EngineStatistics(
@@ -1013,7 +1017,7 @@ class EngineCore:
             open_streams=self.open_consumers(),
             dead=self.dead is not None,
             closed=self.closed,
-            restarts=self.restarts,
+            restarts=self._restarts(restarts),
             requeued=self._requeued,
             worker_group=self.group,
             workers=self.worker_view(workers),

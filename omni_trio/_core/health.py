@@ -112,11 +112,11 @@ class EngineStatistics:
     worker_group: GroupState = GroupState.RUNNING
     workers: tuple[WorkerState, ...] = ()
     last_failure: str | None = None
-    packing: int = 0
     queue_wait: PhaseSummary = field(default_factory=PhaseSummary)
     execution: PhaseSummary = field(default_factory=PhaseSummary)
     postprocess: PhaseSummary = field(default_factory=PhaseSummary)
     end_to_end: PhaseSummary = field(default_factory=PhaseSummary)
+    packing: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,8 @@ class ModelInfo:
     ``default_height``/``default_width`` are used when a request leaves its size ``None``.
     ``text_conditioned``: the output depends on the prompt (and negative prompt).
     ``supports_steps``: ``DiffusionModel.step_adapter`` returns an adapter (step mode).
-    ``fixed_size``: the model renders only its default size (an unconditional UNet).
+    ``fixed_size``: the model renders only its default size; left None it is what the
+    family implies (an unconditional UNet renders the one size it was trained at).
     """
 
     name: str
@@ -39,7 +40,11 @@ class ModelInfo:
     default_width: int
     text_conditioned: bool
     supports_steps: bool = False
-    fixed_size: bool = False
+    fixed_size: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.fixed_size is None:
+            object.__setattr__(self, "fixed_size", self.family == "unconditional")
 
     def resolve_size(self, height: int | None, width: int | None) -> tuple[int, int]:
         """The size a request renders at: its own, or the default for what it left unset.

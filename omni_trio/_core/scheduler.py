@@ -229,6 +229,18 @@ class Scheduler:
         self._enqueue(state, front=True)
         return True
 
+    def forget_worker_state(self) -> list[str]:
+        """The workers lost every step state they held (their group failed): each queued
+        request that had its payload sent starts again from step 0, its payload sent anew.
+        Returns their ids."""
+        reset: list[str] = []
+        for state in self._waiting:
+            if id(state) in self._queued and state.sent_to_worker:
+                state.sent_to_worker = False
+                state.num_computed_steps = 0
+                reset.append(state.request_id)
+        return reset
+
     def pop_request_state(self, request_id: str) -> RequestState | None:
         """Remove and return a terminal request's state (None if unknown).
 

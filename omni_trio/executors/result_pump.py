@@ -122,15 +122,18 @@ OutputCallback = Callable[[Any, "BaseException | None"], None]
 
 class _Waiter:
     """One wait.  ``result`` is written once, by the pump, then ``event`` is set (and a
-    claim's ``callback`` called)."""
+    claim's ``callback`` called; ``worker`` names the pump's worker in its errors)."""
 
-    __slots__ = ("awaited", "callback", "event", "result")
+    __slots__ = ("awaited", "callback", "event", "result", "worker")
 
-    def __init__(self, callback: OutputCallback | None = None) -> None:
+    def __init__(
+        self, callback: OutputCallback | None = None, worker: int | str | None = None
+    ) -> None:
         self.event = trio.Event()
         self.result: _Result | None = None
         self.awaited = False  # a wait_* call has claimed it (one waiter per id)
         self.callback = callback
+        self.worker = worker
 
     def resolve(self, result: _Result) -> None:
         self.result = result
@@ -143,7 +146,8 @@ class _Waiter:
             if result.failure is not None:
                 callback(None, result.failure)
             elif result.error is not None:
-                callback(None, WorkerError(result.error, error_type=result.error_type))
+                error = WorkerError(result.error, worker=self.worker, error_type=result.error_type)
+                callback(None, error)
             else:
                 callback(result.value, None)
         except Exception:  # the claimant's bug must not take the pump down
@@ -393,6 +397,7 @@ class ResultPump:
         result = waiter.result
         if result is not None and result.failure is None:
             self._release_reply(result.value)
+        self._pulse()
 
     # ------------------------------------------------------------------ output waits
 
@@ -446,11 +451,12 @@ class ResultPump:
             raise RuntimeError(f"output {key!r} is already awaited")
         if key in self._splits:
             raise ValueError(f"output {key!r} is split; claim its per-request keys")
-        waiter = _Waiter(callback)
+        waiter = _Waiter(callback, self.worker)
         waiter.awaited = True
         cached = self._cached.pop(key, None)
         if cached is not None:
             waiter.resolve(cached)
+            self._pulse()
         else:
             self._dropped.discard(key)
             self._waiting[key] = waiter

@@ -104,6 +104,7 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._ended = trio.Event()  # set when the engine died or closed
         self._executor: Executor | None = None
+        self._group: WorkerGroup | None = None
         self._warming = False  # warmup traffic is nobody's request: kept out of statistics
 
     @property
@@ -135,7 +136,8 @@ class AsyncEngine:
 
     def _carry_out(self, instructions: Iterable[Instruction], executor: Executor | None) -> None:
         """Do what the core said, in order (no checkpoint).  ``executor`` is the group the
-        instructions are about."""
+        instructions are about.  An executor that raises never keeps a delivery from
+        happening (it is logged: a backend bug)."""
         for ins in instructions:
             if isinstance(ins, DeliverTerminal):
                 send = self._streams.pop(ins.request_id)
@@ -149,14 +151,16 @@ class AsyncEngine:
                     self._streams[ins.request_id].send_nowait(ins.output)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
-            elif executor is None:
-                continue
-            elif isinstance(ins, StopForwards):
-                executor.abort_requests(ins.request_ids)
-            elif isinstance(ins, DropOutput):
-                executor.drop_output(ins.key)
-            elif isinstance(ins, AwaitOutput):
-                self._claim(executor, ins)
+            elif executor is not None:
+                try:
+                    if isinstance(ins, StopForwards):
+                        executor.abort_requests(ins.request_ids)
+                    elif isinstance(ins, DropOutput):
+                        executor.drop_output(ins.key)
+                    elif self.core.awaits(ins.request_id, ins.key):  # AwaitOutput, still wanted
+                        self._claim(executor, ins)
+                except Exception:
+                    log.exception("executor failed to carry out %r", ins)
         self._changed = _pulse(self._changed)
         self._wake.set()
 
@@ -202,7 +206,7 @@ class AsyncEngine:
         return GroupEvents(
             started=self._group_started,
             failed=self._group_failed,
-            restarting=self.core.group_restarting,
+            restarting=lambda: None,  # the supervisor counts them (WorkerGroup.restarts)
             gave_up=self._die,
             wanted=lambda: self.core.accepting,
         )
@@ -258,7 +262,8 @@ class AsyncEngine:
             with trio.CancelScope() as scope:
                 self._loop_scope = scope
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(WorkerGroup(self.config, self._group_events()).serve)
+                    self._group = WorkerGroup(self.config, self._group_events())
+                    await nursery.start(self._group.serve)
                     nursery.start_soon(self._serve_deadlines)
                     started = True
                     # From now on only aclose() (or death) ends the loop and the workers: a
@@ -377,8 +382,14 @@ class AsyncEngine:
         send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
         self._streams[rid] = send
         self._wake.set()
+        # The callbacks carry this incarnation's channel: a stale stream of a reused id never
+        # aborts the id's next incarnation.
         return RequestStream(
-            rid, request.sampling.seed, receive, self._consumer_gone, self._consumer_dropped
+            rid,
+            request.sampling.seed,
+            receive,
+            functools.partial(self._consumer_gone, send),
+            functools.partial(self._consumer_dropped, send),
         )
 
     async def generate(
@@ -404,24 +415,28 @@ class AsyncEngine:
             raise EngineClosedError("the request stream ended without an output")
         return raise_for_status(final)
 
-    def _consumer_dropped(self, request_id: str) -> None:
+    def _consumer_dropped(
+        self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str
+    ) -> None:
         """A stream was finalized unread (any thread, any moment: a finalizer may even run in
         the middle of a core event): abort its request on the loop's next turn."""
         token = self._token
         if token is not None:
             try:
-                token.run_sync_soon(self._consumer_gone, request_id)
+                token.run_sync_soon(self._consumer_gone, send, request_id)
             except trio.RunFinishedError:
                 pass
 
-    def _consumer_gone(self, request_id: str) -> None:
-        """The consumer stopped reading (on this thread): abort its request."""
-        send = self._streams.pop(request_id, None)
-        if send is not None:
-            send.close()
-            self._carry_out(
-                self.core.consumer_gone(request_id, trio.current_time()), self._executor
-            )
+    def _consumer_gone(
+        self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str
+    ) -> None:
+        """The consumer of ``send`` stopped reading (on this thread): abort its request, if
+        that stream is still the id's current one."""
+        if self._streams.get(request_id) is not send:
+            return
+        del self._streams[request_id]
+        send.close()
+        self._carry_out(self.core.consumer_gone(request_id, trio.current_time()), self._executor)
 
     # -- control -------------------------------------------------------------------------
 
@@ -477,11 +492,14 @@ class AsyncEngine:
     def health(self) -> EngineHealth:
         """A snapshot for readiness checks (no checkpoint, never raises)."""
         self._observe_group()
-        return self.core.health(self._workers())
+        return self.core.health(self._workers(), self._restarts())
 
     def statistics(self) -> EngineStatistics:
         self._observe_group()
-        return self.core.statistics(self._workers())
+        return self.core.statistics(self._workers(), self._restarts())
+
+    def _restarts(self) -> int:
+        return self._group.restarts if self._group is not None else 0
 
     def leftovers(self) -> dict[str, set[str]]:
         """Every per-request resource the engine holds in its own process, by kind, as
@@ -557,6 +575,7 @@ class AsyncEngine:
             return
         self._ended.set()
         self._carry_out(core.die(exc, trio.current_time()), self._executor)
+        self._end_streams(f"engine died: {type(exc).__name__}: {exc}", "EngineDeadError")
         self._rpcs.fail_all(EngineDeadError(f"engine died: {type(exc).__name__}: {exc}"))
         self._group_changed = _pulse(self._group_changed)
         if self._loop_scope is not None:
@@ -580,6 +599,7 @@ class AsyncEngine:
                 dead = self.core.dead is not None
                 self._carry_out(self.core.close(trio.current_time()), self._executor)
                 if not dead:
+                    self._end_streams("engine is closed", "EngineClosedError")
                     self._rpcs.fail_all(EngineClosedError("engine is closed"))
                 # Close the worker group gracefully first (each worker stops its forward at
                 # a step and exits); then stop the loop and the supervisor.
@@ -591,6 +611,20 @@ class AsyncEngine:
             finally:
                 self._record_closed()
                 self._close_done.set()
+
+    def _end_streams(self, message: str, error_type: str) -> None:
+        """A safety net: a stream still open once the core has ended everything (there
+        should be none) gets a terminal error, so no consumer waits forever."""
+        for rid, send in list(self._streams.items()):
+            log.error("stream of %s was open with no request behind it; ending it", rid)
+            del self._streams[rid]
+            status = _S.FINISHED_ABORTED if error_type == "EngineClosedError" else _S.FINISHED_ERROR
+            output = DiffusionOutput(rid, status, error=message, error_type=error_type)
+            try:
+                send.send_nowait(output)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            send.close()
 
     def _record_closed(self) -> None:
         trace = self.trace

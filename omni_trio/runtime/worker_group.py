@@ -32,7 +32,7 @@ class GroupEvents:
 
     ``started(executor)`` a group is up and ready (the first, or a restart);
     ``failed(error)`` the current group failed closed or ended (what the supervisor saw);
-    ``restarting()`` a restart begins, after its backoff;
+    ``restarting()`` a restart is scheduled (its backoff begins);
     ``gave_up(error)`` past the restart limit: no group will come;
     ``wanted()`` whether a failed group is to be replaced (False while the owner closes).
     """
@@ -67,6 +67,11 @@ class WorkerGroup:
             name="engine",
             on_event=self._on_event,
         )
+
+    @property
+    def restarts(self) -> int:
+        """Restarts made so far, after their backoff (a start that failed counts too)."""
+        return self._supervisor.restarts
 
     async def serve(
         self, *, task_status: TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED

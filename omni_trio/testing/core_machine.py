@@ -6,7 +6,9 @@ every event the core takes: admit (fresh and reused ids), schedule, a forward's 
 announced output, error, aborted, missing, stray results for unscheduled ids), an execution
 error, an output arriving, failing or being lost, a late arrival for something dropped,
 time passing past output deadlines, abort, consumer drop, step-boundary preemption, group
-failure and restart, close and death.  Time is a number it advances; nothing sleeps.
+failure and restart, a late answer to a forward that was written off, close and death (each
+followed by a fresh core, so an example goes on).  Time is a number it advances; nothing
+sleeps.
 
 After every rule it checks
 
@@ -18,7 +20,9 @@ After every rule it checks
   announces is awaited or dropped at once; every awaited output belongs to a live PACKING
   request; nothing is delivered to a consumer that left or to a closed stream; an abort of a
   running request stops its forward; no request is retried past its budget; no PACKING
-  request outlives its deadline once time has passed it.
+  request outlives its deadline once time has passed it; a worker group is never asked to
+  go on with step state it does not hold (a cached id needs state the *current* group got);
+  a written-off forward's late answer changes nothing but to drop what it announced.
 
 The fakes encode identity into everything they produce (an image is ``("img", request_id,
 seed)``), so a result handed to the wrong request is caught by INV-5.  Extend the machine
@@ -37,7 +41,6 @@ from hypothesis import note
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
-    initialize,
     invariant,
     precondition,
     rule,
@@ -106,6 +109,13 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
 
         def __init__(self) -> None:
             super().__init__()
+            self.counter = 0
+            self.cores = 0
+            self._fresh()
+
+        def _fresh(self) -> None:
+            """A new core (and a new fake world around it): after close or death the
+            example goes on with the next engine."""
             self.trace = TraceRecorder()
             self.core = EngineCore(
                 CoreConfig(
@@ -117,19 +127,26 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                     output_timeout_s=_OUTPUT_TIMEOUT_S,
                 ),
                 trace=self.trace,
-                seed=7,
+                seed=7 + self.cores,
             )
+            self.cores += 1
             self.now = 0.0
-            self.counter = 0
             self.dispatch: SchedulerOutput | None = None
-            # The fake pump: announced output key -> owner; claimed keys -> owner.
+            # Forwards the core wrote off (group failure, close) whose answer may still come.
+            self.stale: list[SchedulerOutput] = []
+            # The fake pump: claimed output key -> owner; keys released.
             self.claimed: dict[str, str] = {}
             self.released: set[str] = set()
             self.consumers: dict[str, _Consumer] = {}
             self.stopped: set[str] = set()  # ids whose forward was told to stop
-            self.steps_done: dict[str, int] = {}  # step mode: progress the fake worker made
-            self.ended = False  # closed or dead
+            # The current group's step state: request id -> steps it has run.
+            self.worker_holds: dict[str, int] = {}
             self.strays: set[str] = set()  # ids of the stray results the fake executor sent
+            self.core.group_started(_INFO, self.now)
+
+        @property
+        def ended(self) -> bool:
+            return not self.core.accepting
 
         # -- the shell's side ------------------------------------------------------------
 
@@ -183,23 +200,32 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
 
         # -- rules: admission ------------------------------------------------------------
 
-        @initialize()
-        def start_group(self) -> None:
-            self.core.group_started(_INFO, self.now)
-
         @precondition(lambda self: not self.ended)
         @rule(
             target=ids,
+            data=st.data(),
             steps=st.integers(1, 3),
             seed=st.one_of(st.none(), st.integers(0, 5)),
             size=st.sampled_from([None, 32, 64]),
             dt=st.sampled_from([0.0, 0.0, 0.1]),
+            then_run=st.integers(0, 3),
         )
-        def admit(self, steps: int, seed: int | None, size: int | None, dt: float) -> str:
+        def admit(
+            self,
+            data: st.DataObject,
+            steps: int,
+            seed: int | None,
+            size: int | None,
+            dt: float,
+            then_run: int,
+        ) -> str:
+            """Admit a request, and maybe let the loop turn a few times right away."""
             self.advance(dt)
             self.counter += 1
-            rid = f"r{self.counter}"
-            return self._admit(rid, steps, seed, size)
+            rid = self._admit(f"r{self.counter}", steps, seed, size)
+            if then_run and self.dispatch is None and self.core.has_work():
+                self.run_ticks(data, then_run)
+            return rid
 
         def _admit(self, rid: str, steps: int, seed: int | None, size: int | None) -> str:
             params = SamplingParams(num_inference_steps=steps, seed=seed, height=size, width=size)
@@ -215,7 +241,6 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             self.consumers[rid] = _Consumer(
                 rid, admitted.sampling.seed, total_steps=admitted.sampling.total_steps
             )
-            self.steps_done[rid] = 0
             return rid
 
         @precondition(lambda self: not self.ended)
@@ -230,15 +255,6 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                 raise AssertionError(f"live {rid} admitted twice")
             self._admit(rid, steps, 1, None)
 
-        @precondition(lambda self: self.ended)
-        @rule()
-        def admit_after_the_end(self) -> None:
-            try:
-                self.core.admit(DiffusionRequest("p", SamplingParams(), "late"), self.now)
-            except (EngineClosedError, EngineDeadError):
-                return
-            raise AssertionError("admitted after close/death")
-
         # -- rules: execution ------------------------------------------------------------
 
         @precondition(lambda self: self.dispatch is None and self.core.has_work())
@@ -252,7 +268,28 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             for rid in out.scheduled_request_ids:
                 assert self.core.status_of(rid) is _S.RUNNING
                 self.stopped.discard(rid)
+            if step_mode:
+                for rid in out.finished_req_ids:  # the worker evicts them first
+                    self.worker_holds.pop(rid, None)
+                for new in out.scheduled_new_reqs:
+                    self.worker_holds[new.request_id] = 0
+                for rid in out.scheduled_cached_reqs:
+                    assert rid in self.worker_holds, (
+                        f"{rid!r} scheduled as a cached id, but the current worker group holds "
+                        "no step state for it"
+                    )
             self.dispatch = out
+
+        @precondition(lambda self: self.dispatch is None and self.core.has_work())
+        @rule(data=st.data(), ticks=st.integers(1, 4))
+        def run_ticks(self, data: st.DataObject, ticks: int) -> None:
+            """The common path, a few loop turns at once: schedule, and the forward answers."""
+            for _ in range(ticks):
+                if self.dispatch is not None or not self.core.has_work():
+                    return
+                self.schedule(0.0)
+                if self.dispatch is not None:
+                    self.forward_returns(data, 0.05)
 
         @precondition(lambda self: self.dispatch is not None)
         @rule(data=st.data(), dt=st.sampled_from([0.0, 0.1, 0.3]))
@@ -295,8 +332,8 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                 )
                 if kind == "step":
                     total = consumer.total_steps
-                    done = min(self.steps_done[rid] + 1, total)
-                    self.steps_done[rid] = done
+                    done = min(self.worker_holds.get(rid, 0) + 1, total)
+                    self.worker_holds[rid] = done
                     finished = done >= total
                     return RunnerOutput(
                         rid,
@@ -307,13 +344,19 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                     )
             else:
                 kind = data.draw(
-                    st.sampled_from(["ok", "async", "async", "error", "aborted", "missing"]),
+                    st.sampled_from(
+                        ["ok", "async", "async", "error", "aborted", "missing", "failed_announcing"]
+                    ),
                     label=f"outcome of {rid}",
                 )
                 if kind == "ok":
                     return RunnerOutput(rid, images=(_image(rid, seed),))
                 if kind == "async":
                     return RunnerOutput(rid, async_output_id=f"b{step_id}/{rid}")
+                if kind == "failed_announcing":  # an odd executor: an error *and* an output id
+                    return RunnerOutput(
+                        rid, async_output_id=f"b{step_id}/{rid}", error="boom", error_type="E"
+                    )
             if kind == "error":
                 return RunnerOutput(rid, error="boom", error_type="RuntimeError")
             if kind == "aborted":
@@ -413,11 +456,37 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
 
         # -- rules: the worker group -----------------------------------------------------
 
+        @precondition(lambda self: self.stale)
+        @rule(data=st.data())
+        def late_answer(self, data: st.DataObject) -> None:
+            """The forward a failure or a close wrote off answers after all: only what it
+            announces is dropped; nothing is applied or delivered."""
+            out = self.stale.pop(data.draw(st.integers(0, len(self.stale) - 1), label="stale"))
+            results = {
+                rid: RunnerOutput(rid, async_output_id=f"late{out.step_id}/{rid}")
+                if data.draw(st.booleans(), label=f"late {rid} announced")
+                else RunnerOutput(rid, images=(_image(rid, None, "late"),))
+                for rid in out.scheduled_request_ids
+            }
+            note(f"late answer to forward {out.step_id}")
+            instructions = self.core.runner_output(out, BatchRunnerOutput(results), self.now)
+            announced = {r.async_output_id for r in results.values() if r.async_output_id}
+            assert {i.key for i in instructions if isinstance(i, DropOutput)} == announced
+            assert all(isinstance(i, DropOutput) for i in instructions), instructions
+            self.apply(instructions)
+
+        def _write_off(self) -> None:
+            if self.dispatch is not None:
+                self.stale.append(self.dispatch)
+                self.dispatch = None
+
         @precondition(lambda self: self.core.group is GroupState.RUNNING)
-        @rule(rank=st.sampled_from([None, 0, 1]))
-        def group_fails(self, rank: int | None) -> None:
+        @rule(rank=st.sampled_from([None, 0, 1]), now=st.integers(0, 2))
+        def group_fails(self, rank: int | None, now: int) -> None:
+            if now:  # one time in three
+                return
             note("the worker group fails")
-            self.dispatch = None  # its results are not trusted
+            self._write_off()  # its results are not trusted
             before = {rid: self._retries(rid) for rid in self.consumers if self.core.is_live(rid)}
             self.apply(self.core.group_failed("died", "WorkerError", self.now, rank=rank))
             # The pump failed with the group: nothing may still be awaited from it.
@@ -436,30 +505,40 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
         @rule()
         def group_restarts(self) -> None:
             note("a new worker group starts")
-            self.core.group_restarting()
             self.core.group_started(_INFO, self.now)
-            self.steps_done = dict.fromkeys(self.steps_done, 0)
+            self.worker_holds = {}  # the new group holds no step state
             assert self.core.health().healthy
 
-        # -- rules: the end --------------------------------------------------------------
+        # -- rules: the end -----------------------------------------------------------
 
         @precondition(lambda self: not self.ended)
-        @rule()
-        def close(self) -> None:
-            note("close")
-            self.dispatch = None
-            self.apply(self.core.close(self.now))
-            self.ended = True
+        @rule(die=st.booleans(), now=st.integers(0, 3))
+        def end_and_reopen(self, die: bool, now: int) -> None:
+            """Close the engine (or it dies): every live request ends, the whole trace must
+            be clean; a late answer may still come.  Then the next engine.  Drawn to happen
+            one time in four, so an engine usually lives long enough to do something."""
+            if now:
+                return
+            note("die" if die else "close")
+            self._write_off()
+            if die:
+                self.apply(self.core.die(RuntimeError("supervisor gave up"), self.now))
+            else:
+                self.apply(self.core.close(self.now))
+            for out in self.stale:  # answered late: changes nothing
+                late = BatchRunnerOutput(
+                    {rid: RunnerOutput(rid, images=("late",)) for rid in out.scheduled_request_ids}
+                )
+                assert self.core.runner_output(out, late, self.now) == []
             self._check(closed=True)
-
-        @precondition(lambda self: not self.ended)
-        @rule()
-        def die(self) -> None:
-            note("die")
-            self.dispatch = None
-            self.apply(self.core.die(RuntimeError("supervisor gave up"), self.now))
-            self.ended = True
-            self._check(closed=True)
+            with_error = EngineDeadError if die else EngineClosedError
+            try:
+                self.core.admit(DiffusionRequest("p", SamplingParams(), "after"), self.now)
+            except with_error:
+                pass
+            else:
+                raise AssertionError("admitted after the end")
+            self._fresh()
 
         # -- checks ----------------------------------------------------------------------
 
@@ -506,8 +585,8 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             assert health.healthy == (self.core.group is GroupState.RUNNING and not self.ended)
 
         def teardown(self) -> None:
-            if not self.ended:
-                self.close()
+            self.apply(self.core.close(self.now))
+            self._check(closed=True)
 
     CoreMachine.__name__ = CoreMachine.__qualname__ = f"CoreMachine_{opts.mode}"
     return CoreMachine

@@ -213,7 +213,7 @@ def test_an_output_for_a_request_aborted_during_its_forward_is_dropped() -> None
         RunnerOutput("a", async_output_id="w/a"), RunnerOutput("b", async_output_id="w/b")
     )
     instructions = core.runner_output(out, answer, 2.0)
-    assert instructions == [DropOutput("w/a", "a"), AwaitOutput("b", "w/b")]
+    assert instructions == [AwaitOutput("b", "w/b"), DropOutput("w/a", "a")]
     assert_clean(core, trace)
 
 
@@ -362,7 +362,6 @@ def test_a_group_failure_requeues_running_and_packing_requests_in_order() -> Non
     assert health.workers == (WorkerState(0, WorkerStatus.RESTARTING),)
     with pytest.raises(WorkerError, match="restarting"):
         core.check_health()
-    core.group_restarting()
     core.group_started(INFO, 4.0)
     assert core.health().healthy and core.health().restarts == 1
     assert schedule(core, 4.0).scheduled_request_ids == ("p",)
@@ -491,3 +490,49 @@ def test_step_mode_preemption_keeps_progress_and_only_between_forwards() -> None
     [e] = [e for e in trace if e.kind is K.PREEMPT]
     assert e.detail == {"progress": 1}
     assert_clean(core, trace)
+
+
+def test_a_group_failure_also_forgets_step_state_of_requests_preempted_at_a_boundary() -> None:
+    core, trace = make(step_execution=True)
+    admit(core, "a", num_inference_steps=3)
+    core.runner_output(schedule(core), result(step("a", 1, 3)), 1.5)
+    assert core.preempt("a", 1.6)
+    core.group_failed("died", "WorkerError", 2.0)
+    core.group_started(INFO, 3.0)
+    again = schedule(core, 3.0)
+    # The new group holds nothing of it: it gets the payload again, from step 0, no retry.
+    assert [r.request_id for r in again.scheduled_new_reqs] == ["a"]
+    state = core.scheduler.get_request_state("a")
+    assert state is not None and (state.num_computed_steps, state.num_retries) == (0, 0)
+    assert_clean(core, trace)
+
+
+def test_an_output_announced_by_a_failed_result_is_dropped() -> None:
+    core, trace = make()
+    admit(core, "a")
+    odd = RunnerOutput("a", async_output_id="k/a", error="boom", error_type="E")
+    instructions = core.runner_output(schedule(core), result(odd), 2.0)
+    assert DropOutput("k/a", "a") in instructions
+    assert terminals(instructions) == {"a": S.FINISHED_ERROR}
+    assert_clean(core, trace)
+
+
+def test_a_reused_output_key_keeps_its_own_deadline() -> None:
+    core, _ = make(output_timeout_s=10.0)
+    admit(core, "a")
+    core.runner_output(schedule(core), result(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    core.output_lost("a", "k/a", "gone", "EngineDeadError", 3.0, group_lost=True)
+    core.group_failed("died", "WorkerError", 3.0)
+    core.group_started(INFO, 4.0)
+    # The rerun announces the same key (a backend may): the first wait's deadline is not its.
+    core.runner_output(schedule(core, 9.0), result(RunnerOutput("a", async_output_id="k/a")), 10.0)
+    assert core.expire(12.5) == []
+    assert core.next_deadline() == 20.0
+
+
+def test_restarts_count_groups_that_started_again() -> None:
+    core, _ = make()
+    core.group_failed("died", "WorkerError", 1.0)
+    assert core.health().restarts == 0  # during the backoff nothing has restarted yet
+    core.group_started(INFO, 2.0)
+    assert (core.health().restarts, core.statistics().restarts) == (1, 1)

@@ -32,3 +32,9 @@ def test_warmup_is_small_and_seeded() -> None:
     assert (small.height, small.width) == (32, 32)
     fixed = FIXED.warmup_sampling()
     assert (fixed.height, fixed.width) == (None, None)  # admission resolves its one size
+
+
+def test_fixed_size_defaults_to_what_the_family_implies() -> None:
+    assert ModelInfo("u", "unconditional", True, 32, 32, False).fixed_size is True
+    assert ModelInfo("t", "text2image", True, 64, 64, True).fixed_size is False
+    assert ModelInfo("t", "text2image", True, 64, 64, True, fixed_size=True).fixed_size is True

@@ -854,3 +854,31 @@ async def test_an_unsplit_whole_batch_is_held_for_every_request_it_names() -> No
     async with running_pump() as h:
         await h.deliver(output_ready("b1", batch("a", "b")))  # its COMPUTE_DONE is late
         assert h.pump.leftovers()["pump_cached"] == {"a", "b"}
+
+
+async def test_giving_up_an_rpc_wakes_a_wait_for_the_pump_to_settle() -> None:
+    async with running_pump() as h:
+        pump = h.pump
+        pump.register_rpc("r1")
+        settled = trio.Event()
+
+        async def wait() -> None:
+            await pump.wait_settled()
+            settled.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await wait_all_tasks_blocked()
+            assert not settled.is_set()
+            pump.forget_rpc("r1")
+            await settled.wait()
+
+
+async def test_a_claims_remote_error_names_the_worker() -> None:
+    async with running_pump() as h:
+        claimant = Claimant()
+        h.pump.claim("whole", claimant)
+        await h.deliver(output_ready("whole", error="packing failed", error_type="OSError"))
+        [(_, error)] = claimant.got
+        assert isinstance(error, WorkerError) and error.worker == 0
+        assert str(error).startswith("worker 0: OSError")

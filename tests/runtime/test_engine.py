@@ -1491,3 +1491,26 @@ async def test_once_idle_nothing_anywhere_holds_a_finished_request(
                 else ["packer_queue", "runner_progress", "stop_flags"]
             )
             assert engine.statistics().packing == 0
+
+
+@pytest.mark.parametrize("how", ["closed", "collected"])
+async def test_a_stale_stream_of_a_reused_id_never_touches_its_next_incarnation(how: str) -> None:
+    """The old stream of an id, closed or garbage-collected after the id was admitted again,
+    must not abort the new request: its callbacks carry its own channel."""
+    with trio.fail_after(CAP_S):
+        async with scripted_engine() as (engine, executor):
+            old = engine.stream("a", params(seed=1), request_id="X")
+            await engine.wait_idle()  # X completed; its terminal output sits unread in `old`
+            executor.hold = True
+            new = engine.stream("b", params(seed=2), request_id="X")
+            await executor.wait_for_forward("X")
+            if how == "closed":
+                await old.aclose()  # the old consumer leaves now
+            else:
+                del old
+                gc.collect()  # its finalizer defers a consumer-gone for its own channel
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.core.status_of("X") is S.RUNNING
+            executor.release()
+            outputs = [o async for o in new]
+    assert [(o.status, o.seed) for o in outputs] == [(S.FINISHED_COMPLETED, 2)]
