@@ -55,7 +55,7 @@ from ..errors import (
 )
 from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
-from .request_stream import RequestStream
+from .request_stream import OutputStreams, RequestStream
 from .rpc_queue import RpcQueue
 from .worker_group import GroupEvents, WorkerGroup
 
@@ -89,15 +89,13 @@ class AsyncEngine:
             id_prefix=secrets.token_hex(4),
             seed=secrets.randbits(64),
         )
-        # Invariant: one send channel per request whose consumer the core delivers to.
-        self._streams: dict[str, trio.MemorySendChannel[DiffusionOutput]] = {}
+        self._streams = OutputStreams(on_gone=self._consumer_gone)
         self._rpcs = RpcQueue(on_queued=self._wake_loop)
         self._wake = trio.Event()  # work for the loop (set by _wake_loop)
         self._changed = trio.Event()  # pulsed after every carried-out event (wait_idle)
         self._timer_wake = trio.Event()  # a deadline appeared
         self._timer_idle = True
         self._group_changed = trio.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
         self._loop_scope: trio.CancelScope | None = None
         self._loop_done = trio.Event()
         self._closing = False
@@ -140,17 +138,9 @@ class AsyncEngine:
         happening (it is logged: a backend bug)."""
         for ins in instructions:
             if isinstance(ins, DeliverTerminal):
-                send = self._streams.pop(ins.request_id)
-                try:
-                    send.send_nowait(ins.output)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-                send.close()
+                self._streams.finish(ins.request_id, ins.output)
             elif isinstance(ins, DeliverChunk):
-                try:
-                    self._streams[ins.request_id].send_nowait(ins.output)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                self._streams.send(ins.request_id, ins.output)
             elif executor is not None:
                 try:
                     if isinstance(ins, StopForwards):
@@ -256,7 +246,6 @@ class AsyncEngine:
         """Start the supervised worker group, then run the busy loop until cancelled (by
         :meth:`aclose`) or until the engine dies.  A worker group that fails to start the
         first time raises here (nothing is retried: that is a configuration error)."""
-        self._token = trio.lowlevel.current_trio_token()
         started = False
         try:
             with trio.CancelScope() as scope:
@@ -378,19 +367,9 @@ class AsyncEngine:
         request = core.build_request(prompt_or_request, params, request_id)
         counted = not (self._warming and request.request_id == WARMUP_REQUEST_ID)
         request = core.admit(request, trio.current_time(), counted=counted)
-        rid = request.request_id
-        send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
-        self._streams[rid] = send
+        stream = self._streams.open(request.request_id, request.sampling.seed)
         self._wake.set()
-        # The callbacks carry this incarnation's channel: a stale stream of a reused id never
-        # aborts the id's next incarnation.
-        return RequestStream(
-            rid,
-            request.sampling.seed,
-            receive,
-            functools.partial(self._consumer_gone, send),
-            functools.partial(self._consumer_dropped, send),
-        )
+        return stream
 
     async def generate(
         self,
@@ -415,27 +394,8 @@ class AsyncEngine:
             raise EngineClosedError("the request stream ended without an output")
         return raise_for_status(final)
 
-    def _consumer_dropped(
-        self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str
-    ) -> None:
-        """A stream was finalized unread (any thread, any moment: a finalizer may even run in
-        the middle of a core event): abort its request on the loop's next turn."""
-        token = self._token
-        if token is not None:
-            try:
-                token.run_sync_soon(self._consumer_gone, send, request_id)
-            except trio.RunFinishedError:
-                pass
-
-    def _consumer_gone(
-        self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str
-    ) -> None:
-        """The consumer of ``send`` stopped reading (on this thread): abort its request, if
-        that stream is still the id's current one."""
-        if self._streams.get(request_id) is not send:
-            return
-        del self._streams[request_id]
-        send.close()
+    def _consumer_gone(self, request_id: str) -> None:
+        """The consumer of ``request_id``'s current stream left it: abort the request."""
         self._carry_out(self.core.consumer_gone(request_id, trio.current_time()), self._executor)
 
     # -- control -------------------------------------------------------------------------
@@ -507,7 +467,7 @@ class AsyncEngine:
         pump).  No checkpoint.  Read by :func:`omni_trio.testing.check_leftovers` (INV-3);
         :meth:`worker_leftovers` adds the workers'."""
         held = self.core.leftovers()
-        held["engine_streams"] = set(self._streams)
+        held["engine_streams"] = self._streams.ids()
         executor = self._executor
         if executor is not None:
             for kind, ids in executor.leftovers().items():
@@ -615,16 +575,12 @@ class AsyncEngine:
     def _end_streams(self, message: str, error_type: str) -> None:
         """A safety net: a stream still open once the core has ended everything (there
         should be none) gets a terminal error, so no consumer waits forever."""
-        for rid, send in list(self._streams.items()):
-            log.error("stream of %s was open with no request behind it; ending it", rid)
-            del self._streams[rid]
-            status = _S.FINISHED_ABORTED if error_type == "EngineClosedError" else _S.FINISHED_ERROR
-            output = DiffusionOutput(rid, status, error=message, error_type=error_type)
-            try:
-                send.send_nowait(output)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            send.close()
+        status = _S.FINISHED_ABORTED if error_type == "EngineClosedError" else _S.FINISHED_ERROR
+        ended = self._streams.end_all(
+            lambda rid: DiffusionOutput(rid, status, error=message, error_type=error_type)
+        )
+        if ended:
+            log.error("streams of %s were open with no request behind them; ended", ended)
 
     def _record_closed(self) -> None:
         trace = self.trace

@@ -8,6 +8,8 @@ consuming task, ``break`` out of ``async with``, ``aclose()``, or the stream bei
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from types import TracebackType
 
@@ -15,7 +17,7 @@ import trio
 
 from .._core.messages import DiffusionOutput
 
-__all__ = ["RequestStream"]
+__all__ = ["OutputStreams", "RequestStream"]
 
 
 class RequestStream:
@@ -93,4 +95,75 @@ class RequestStream:
             try:
                 self._finish(consumer_gone=True, dropped=True)
             except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+class OutputStreams:
+    """The engine's ends of its request streams: one send channel per request whose
+    consumer reads (invariant: the ids here are the engine core's ``streams``).
+
+    ``on_gone(request_id)`` runs, on the engine's trio thread, when a consumer leaves its
+    stream early; a stream of an id that was admitted again since never reports for the new
+    one (its callbacks carry its own channel).
+    """
+
+    def __init__(self, on_gone: Callable[[str], None]) -> None:
+        self._sends: dict[str, trio.MemorySendChannel[DiffusionOutput]] = {}
+        self._on_gone = on_gone
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    def ids(self) -> set[str]:
+        return set(self._sends)
+
+    def open(self, request_id: str, seed: int | None) -> RequestStream:
+        """A new stream for ``request_id`` (on the engine's trio thread, no checkpoint)."""
+        self._token = trio.lowlevel.current_trio_token()
+        send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
+        self._sends[request_id] = send
+        return RequestStream(
+            request_id,
+            seed,
+            receive,
+            functools.partial(self._gone, send),
+            functools.partial(self._dropped, send),
+        )
+
+    def send(self, request_id: str, output: DiffusionOutput) -> None:
+        """A non-terminal chunk (a consumer that closed its end just misses it)."""
+        try:
+            self._sends[request_id].send_nowait(output)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def finish(self, request_id: str, output: DiffusionOutput) -> None:
+        """The terminal output; the stream is closed and forgotten."""
+        send = self._sends.pop(request_id)
+        try:
+            send.send_nowait(output)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        send.close()
+
+    def end_all(self, output_for: Callable[[str], DiffusionOutput]) -> list[str]:
+        """Finish every stream still open with ``output_for(request_id)``; their ids."""
+        ended = list(self._sends)
+        for rid in ended:
+            self.finish(rid, output_for(rid))
+        return ended
+
+    def _gone(self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str) -> None:
+        if self._sends.get(request_id) is not send:
+            return  # already finished, or a stale stream of a reused id
+        del self._sends[request_id]
+        send.close()
+        self._on_gone(request_id)
+
+    def _dropped(self, send: trio.MemorySendChannel[DiffusionOutput], request_id: str) -> None:
+        # Finalized unread: any thread, any moment (even in the middle of a core event), so
+        # the consumer-gone is always deferred to the loop's next turn.
+        token = self._token
+        if token is not None:
+            try:
+                token.run_sync_soon(self._gone, send, request_id)
+            except trio.RunFinishedError:
                 pass

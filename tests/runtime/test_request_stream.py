@@ -11,7 +11,7 @@ import trio.testing
 
 from omni_trio._core.lifecycle import RequestStatus
 from omni_trio._core.messages import DiffusionOutput
-from omni_trio.runtime.request_stream import RequestStream
+from omni_trio.runtime.request_stream import OutputStreams, RequestStream
 
 CAP_S = 5.0
 S = RequestStatus
@@ -193,3 +193,48 @@ async def test_leaving_early_uses_on_consumer_gone_even_with_on_dropped() -> Non
     gc.collect()
     assert h.gone == ["r"]
     assert h.dropped == []
+
+
+# -- OutputStreams: the engine's ends -------------------------------------------------------
+
+
+async def test_output_streams_deliver_chunks_then_the_terminal_one() -> None:
+    gone: list[str] = []
+    streams = OutputStreams(on_gone=gone.append)
+    with trio.fail_after(CAP_S):
+        stream = streams.open("r", seed=9)
+        assert streams.ids() == {"r"}
+        streams.send("r", chunk(0))
+        streams.finish("r", TERMINAL)
+        assert streams.ids() == set()
+        assert [o.chunk_index for o in [o async for o in stream]] == [0, 0]
+    assert gone == []  # it ended by its terminal output, not by its consumer
+
+
+async def test_output_streams_report_a_leaving_consumer_once_and_only_for_its_own_stream() -> None:
+    gone: list[str] = []
+    streams = OutputStreams(on_gone=gone.append)
+    with trio.fail_after(CAP_S):
+        old = streams.open("x", seed=1)
+        streams.finish("x", TERMINAL)  # x ended; its output sits unread
+        new = streams.open("x", seed=2)  # the id is reused
+        await old.aclose()
+        assert gone == [] and streams.ids() == {"x"}
+        await new.aclose()
+        assert gone == ["x"] and streams.ids() == set()
+        del old, new
+        gc.collect()
+        await trio.testing.wait_all_tasks_blocked()
+    assert gone == ["x"]
+
+
+async def test_a_stream_dropped_unread_is_reported_on_the_next_turn() -> None:
+    gone: list[str] = []
+    streams = OutputStreams(on_gone=gone.append)
+    with trio.fail_after(CAP_S):
+        stream = streams.open("d", seed=1)
+        del stream
+        gc.collect()
+        assert gone == []  # deferred: a finalizer may run anywhere
+        await trio.testing.wait_all_tasks_blocked()
+    assert gone == ["d"]
