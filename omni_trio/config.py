@@ -15,6 +15,7 @@ from ._core.request import RequestLimits
 from .errors import InvalidConfigError
 
 __all__ = [
+    "AUTO_BACKEND",
     "BACKENDS",
     "WORKER_START_METHODS",
     "EngineConfig",
@@ -23,6 +24,8 @@ __all__ = [
 ]
 
 BACKENDS = ("inproc", "tractor", "ray")
+# The default backend: "inproc" for one worker, "tractor" for more (resolved when made).
+AUTO_BACKEND = "auto"
 # How the tractor backend starts a worker process (see docs/backends.md): "trio" runs a fresh
 # interpreter per worker; "forkserver" forks it from a server that already imported torch,
 # diffusers and the worker code, so a restarted worker is ready in a fraction of a second.
@@ -78,7 +81,9 @@ class EngineConfig:
     ``model`` is a local diffusers directory or a built-in name (``builtin:shapes``,
     ``builtin:tiny-sd``, ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to
     the model loader (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``,
-    ``"tractor"``, ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``.
+    ``"tractor"``, ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``;
+    ``"auto"`` (the default) chooses by worker count when the config is made: one worker runs
+    in this process (``"inproc"``), more run as worker processes (``"tractor"``).
 
     ``cfg_parallel``: with exactly two workers, split every classifier-free-guidance UNet call
     between them (rank 0 the conditional half, rank 1 the unconditional half; see
@@ -89,7 +94,7 @@ class EngineConfig:
 
     model: str = "builtin:echo"
     model_options: Mapping[str, Any] = field(default_factory=dict)
-    backend: Any = "inproc"
+    backend: Any = AUTO_BACKEND
     num_workers: int = 1
     cfg_parallel: bool = True
     device: str | None = None
@@ -147,6 +152,10 @@ class EngineConfig:
         if not isinstance(self.model_options, Mapping):
             raise InvalidConfigError("model_options must be a mapping", field="model_options")
         backend = self.backend
+        if backend == AUTO_BACKEND:
+            # Not chosen: by worker count.
+            backend = "inproc" if self.num_workers == 1 else "tractor"
+            object.__setattr__(self, "backend", backend)
         if isinstance(backend, str):
             if backend not in BACKENDS and ":" not in backend:
                 raise InvalidConfigError(

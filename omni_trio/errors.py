@@ -125,7 +125,8 @@ class InvalidTransition(OmniTrioError):
 
 
 class WorkerError(OmniTrioError):
-    """A worker failed.  The remote error is boxed: its type name, the worker and traceback text."""
+    """A worker failed.  The remote error is boxed: its type name, the worker and traceback
+    text; ``fatal`` when the worker itself is broken, not just the call."""
 
     def __init__(
         self,
@@ -134,6 +135,7 @@ class WorkerError(OmniTrioError):
         worker: str | int | None = None,
         error_type: str | None = None,
         traceback_text: str | None = None,
+        fatal: bool = False,
     ) -> None:
         where = f"worker {worker}: " if worker is not None else ""
         kind = f"{error_type}: " if error_type else ""
@@ -141,6 +143,9 @@ class WorkerError(OmniTrioError):
         self.worker = worker
         self.error_type = error_type
         self.traceback_text = traceback_text
+        # The worker itself is broken (a device fault, a torn collective), not just the
+        # call: its group must be replaced.
+        self.fatal = fatal
 
 
 class StallError(OmniTrioError, TimeoutError):

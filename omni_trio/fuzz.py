@@ -192,7 +192,11 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     campaign = parser.add_argument_group("campaign")
     campaign.add_argument(
-        "--backend", choices=("inproc", "tractor"), default=None, help="executor (inproc)"
+        "--backend",
+        choices=("inproc", "tractor", "ray"),
+        default=None,
+        help="executor (inproc); tractor and ray run worker processes (ray: a local Ray "
+        "unless $RAY_ADDRESS names a cluster; needs the ray extra)",
     )
     campaign.add_argument(
         "--mode", choices=("request", "step"), default=None, help="execution mode (request)"
@@ -315,8 +319,19 @@ def _fuzz_main(args: argparse.Namespace) -> int:
                 stdout=sys.stdout,
             )
             return EXIT_FAILED if result.reproduced else EXIT_OK
-        campaign = run_campaign(_plan_from_args(args), stdout=sys.stdout)
+        plan = _plan_from_args(args)
+        if plan.options.backend == "ray":
+            _require_ray()
+        campaign = run_campaign(plan, stdout=sys.stdout)
         return EXIT_OK if campaign.failure is None else EXIT_FAILED
+
+
+def _require_ray() -> None:
+    from .testing.machine import backend_unavailable
+
+    reason = backend_unavailable("ray")
+    if reason is not None:
+        raise CliError(f"omni-trio fuzz --backend ray: {reason}", EXIT_USAGE)
 
 
 def _require_hypothesis() -> None:

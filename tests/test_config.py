@@ -35,6 +35,19 @@ def test_defaults_are_valid() -> None:
     assert cfg.rpc_timeout_s is None
 
 
+def test_the_backend_is_chosen_by_worker_count_unless_set() -> None:
+    assert EngineConfig(num_workers=1).backend == "inproc"
+    assert EngineConfig(num_workers=2).backend == "tractor"
+    assert EngineConfig(backend="auto", num_workers=3).backend == "tractor"
+    assert EngineConfig(backend="ray", num_workers=2).backend == "ray"
+    assert EngineConfig(backend="tractor").backend == "tractor"
+    # An explicit choice stays: the inproc executor refuses two workers when it starts.
+    assert EngineConfig(backend="inproc", num_workers=2).backend == "inproc"
+    # The resolved choice is what the config says from then on.
+    chosen = EngineConfig(num_workers=2)
+    assert EngineConfig.from_dict({"backend": chosen.backend, "num_workers": 2}) == chosen
+
+
 def test_is_frozen_and_keyword_only() -> None:
     cfg = EngineConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

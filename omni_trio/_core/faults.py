@@ -53,12 +53,20 @@ class Fault(enum.StrEnum):
     FAIL_PACKING = "fail_packing"
     DELAY_COMPUTE_DONE = "delay_compute_done"
     DELAY_OUTPUT_READY = "delay_output_ready"
+    KILL_PACKER = "kill_packer"
+    POISON_DEVICE = "poison_device"
     FAIL_WARMUP = "fail_warmup"
 
 
 # Kinds that take ``step`` (required) and fire from on_step.
 STEP_FAULTS = frozenset(
-    {Fault.RAISE_AT_STEP, Fault.CRASH_AT_STEP, Fault.SIGKILL_AT_STEP, Fault.HANG_AT_STEP}
+    {
+        Fault.RAISE_AT_STEP,
+        Fault.CRASH_AT_STEP,
+        Fault.SIGKILL_AT_STEP,
+        Fault.HANG_AT_STEP,
+        Fault.POISON_DEVICE,
+    }
 )
 # Kinds that take ``delay_s`` (required).
 DELAY_FAULTS = frozenset({Fault.SLOW_PACKING, Fault.DELAY_COMPUTE_DONE, Fault.DELAY_OUTPUT_READY})
@@ -83,6 +91,12 @@ FAULT_DOCS: dict[Fault, str] = {
     "returns it (delays COMPUTE_DONE; OUTPUT_READY may come first)",
     Fault.DELAY_OUTPUT_READY: "the async output packer sleeps delay_s after packing, before "
     "sending OUTPUT_READY (outputs complete out of order)",
+    Fault.KILL_PACKER: "the async output packer's thread dies as it starts packing this "
+    "request's output (request mode with async output only): the outputs it holds never "
+    "come, so liveness must fail the group",
+    Fault.POISON_DEVICE: "at step k the worker's device breaks for good, like a sticky CUDA "
+    "error: this forward fails with a CUDA-like error and the device probe after it fails, "
+    "so the worker is broken (its group fails closed)",
     Fault.FAIL_WARMUP: "not per request: model_options['fault_fail_warmup']=True makes the "
     "warmup request raise FaultInjectedError at its first step",
 }

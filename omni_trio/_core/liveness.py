@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 from ..errors import StallError, WorkerError
 
-__all__ = ["MAX_POLL_S", "LivenessTracker", "RankLiveness"]
+__all__ = ["HEARTBEAT_INTERVAL_S", "MAX_POLL_S", "LivenessTracker", "RankLiveness"]
 
+# How often every worker of a process backend sends its executor a heartbeat.
+HEARTBEAT_INTERVAL_S = 1.0
 # The longest the executor waits between two checks (shorter when a timeout is shorter).
 MAX_POLL_S = 1.0
 _MIN_POLL_S = 0.01
@@ -66,6 +68,11 @@ class LivenessTracker:
 
     def rank(self, rank: int) -> RankLiveness:
         return self._state[rank]
+
+    def steps_of(self, rank: int) -> int | None:
+        """The steps ``rank`` has run, as last heard (None before :meth:`start`)."""
+        state = self._state.get(rank)
+        return state.steps if state is not None else None
 
     def heard(
         self,
@@ -111,7 +118,7 @@ class LivenessTracker:
         for rank, state in sorted(self._state.items()):
             if not state.packer_alive:
                 self._verdict = WorkerError(
-                    "its output packer thread died: its outputs would never come",
+                    "its output packer died or could not send: its outputs would never come",
                     worker=rank,
                     error_type="PackerDied",
                 )

@@ -25,10 +25,13 @@ __all__ = [
     "AsyncOutputKind",
     "BatchRunnerOutput",
     "DiffusionOutput",
+    "Heartbeat",
     "NewRequestData",
     "RequestMetrics",
     "RunnerOutput",
     "SchedulerOutput",
+    "WorkerAbort",
+    "WorkerCall",
 ]
 
 
@@ -139,8 +142,15 @@ class AsyncOutputKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class AsyncOutput:
-    """A worker reply.  COMPUTE_DONE and OUTPUT_READY are correlated by ``async_output_id``
-    and may arrive in either order; RPC_RESULT answers ``rpc_id``."""
+    """A worker reply.  ``RPC_RESULT`` answers the call ``rpc_id``; an execute call whose
+    outputs are still being packed is answered by ``COMPUTE_DONE`` instead (the device is
+    free; ``result`` holds each request's ``async_output_id``), and the packed outputs follow
+    as one ``OUTPUT_READY`` for ``async_output_id``.  The two may arrive in either order.
+
+    ``rank`` and ``steps`` (the denoising steps the rank has run) say who answered and how
+    far it is (liveness); a failed call carries ``error``, ``error_type`` and ``traceback``,
+    and ``fatal`` when the worker itself is broken (its group must be replaced).
+    """
 
     kind: AsyncOutputKind
     rpc_id: str | None = None
@@ -148,6 +158,44 @@ class AsyncOutput:
     result: Any = None
     error: str | None = None
     error_type: str | None = None
+    rank: int | None = None
+    steps: int | None = None
+    traceback: str | None = None
+    fatal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    """Executor -> every rank of a group: run the worker method ``method``.  Every rank
+    answers exactly once (an :class:`AsyncOutput` for ``rpc_id``); only ``reply_rank`` ships
+    its result (None: every rank does)."""
+
+    rpc_id: str
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    reply_rank: int | None = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAbort:
+    """Executor -> every rank, out of band (never queued behind a call): set the stop
+    flags of ``request_ids`` (``everything``: stop every forward), so a running forward
+    stops at its next step boundary."""
+
+    request_ids: tuple[str, ...] = ()
+    everything: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A rank -> its executor, every ``HEARTBEAT_INTERVAL_S`` whatever it is doing: the steps
+    it has run, the progress of its running requests and whether its output packer lives."""
+
+    rank: int
+    steps: int
+    progress: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    packer_alive: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,6 +253,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sd-steps", type=int, default=None, help="tiny-sd steps (default 10; --quick: 2)"
     )
     g.add_argument("--guidance", type=float, default=7.5, help="tiny-sd guidance (default 7.5)")
+    g.add_argument(
+        "--async-output",
+        choices=("on", "off"),
+        default="on",
+        help="request-mode async output packing on every engine (EngineConfig.async_output; "
+        "default on)",
+    )
 
 
 # -- Ray -----------------------------------------------------------------------------------
@@ -339,6 +346,7 @@ def _config(cell: Cell, backend: str, args: argparse.Namespace) -> EngineConfig:
         torch_threads=args.torch_threads,
         cache_dir=args.cache_dir,
         warmup=True,
+        async_output=getattr(args, "async_output", "on") == "on",
     )
 
 
@@ -475,6 +483,7 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "concurrency": args.concurrency,
             "max_num_seqs": args.max_num_seqs,
             "torch_threads": args.torch_threads,
+            "async_output": args.async_output,
             "quick": quick,
         }
     )

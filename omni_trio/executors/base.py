@@ -27,16 +27,14 @@ from .._core.health import WorkerStatus
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.model_info import ModelInfo
 from ..config import EngineConfig
-from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, WorkerError
+from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError
 from .result_pump import OutputCallback, ResultPump, register_async_outputs
 
 __all__ = [
     "BUILTIN_BACKENDS",
     "Executor",
-    "GroupExecutor",
     "WorkerState",
     "open_executor",
-    "raise_rank_failures",
     "resolve_executor_class",
 ]
 
@@ -198,92 +196,6 @@ class Executor(abc.ABC):
             ) from self._dead_reason
         if self._closed:
             raise EngineClosedError("executor is closed")
-
-
-class GroupExecutor(Executor):
-    """Base of the backends whose workers are separate processes (tractor, ray): every call
-    goes to every rank and comes back as one reply dict per rank (``{"rank", "ok", "result"
-    | "error", "error_type", "traceback", "steps"}``; only the reply rank ships a result).
-    Subclasses provide :meth:`_call` and :meth:`_fail_group`; the execution and RPC entry
-    points are shared."""
-
-    @abc.abstractmethod
-    async def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        reply_rank: int | None = 0,
-        timeout: float | None = None,
-        abort_ids: Iterable[str] = (),
-    ) -> dict[int, dict[str, Any]]:
-        """Send one call to every rank; each rank's reply.  If cancelled, ``abort_ids`` are
-        aborted (the forward stops at its next step)."""
-
-    @abc.abstractmethod
-    def _fail_group(self, error: BaseException) -> None:
-        """Fail closed: remember why, fail every pending call, tear the group down."""
-
-    async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        try:
-            replies = await self._call(
-                method, (scheduler_output,), abort_ids=scheduler_output.scheduled_request_ids
-            )
-            raise_rank_failures(method, replies)
-        except (trio.Cancelled, EngineClosedError):
-            raise
-        except Exception as exc:
-            # A forward never raises for a request's own failure: this worker is broken.
-            self._fail_group(exc)
-            raise EngineDeadError(f"worker group failed: {exc}") from exc
-        result = replies[0]["result"]
-        if not isinstance(result, BatchRunnerOutput):
-            error = WorkerError(f"{method!r} returned {type(result).__name__}", worker=0)
-            self._fail_group(error)
-            raise EngineDeadError(str(error)) from error
-        return result
-
-    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        result = await self._execute("execute_scheduler_output", scheduler_output)
-        self._announce_async_outputs(result)
-        return result
-
-    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
-        return await self._execute("execute_stepwise", scheduler_output)
-
-    async def collective_rpc(
-        self,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = 0,
-        **kwargs: Any,
-    ) -> Any:
-        replies = await self._call(
-            method, args, kwargs, reply_rank=unique_reply_rank, timeout=timeout
-        )
-        raise_rank_failures(method, replies)
-        if unique_reply_rank is None:
-            return [replies[rank]["result"] for rank in sorted(replies)]
-        return replies[unique_reply_rank]["result"]
-
-
-def raise_rank_failures(method: str, replies: dict[int, dict[str, Any]]) -> None:
-    """Raise one :class:`WorkerError` naming every rank whose reply to ``method`` says it
-    failed (replies of the process backends: ``{"rank", "ok", "error", "error_type",
-    "traceback", ...}``), with the first failed rank's type and every traceback."""
-    failed = [r for r in replies.values() if not r.get("ok")]
-    if not failed:
-        return
-    first = failed[0]
-    detail = "; ".join(f"rank {r['rank']}: {r.get('error_type')}: {r.get('error')}" for r in failed)
-    raise WorkerError(
-        f"{method!r} failed on {len(failed)} rank(s): {detail}",
-        worker=first["rank"],
-        error_type=first.get("error_type"),
-        traceback_text="\n".join(r.get("traceback", "") for r in failed),
-    )
 
 
 # The built-in backends, by import path: base never imports a backend (they import base).

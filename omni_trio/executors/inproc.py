@@ -3,20 +3,29 @@
 The event loop never blocks on the model: every worker call runs in the worker's own
 :class:`WorkerThread`, one at a time, so the loop stays responsive to aborts, health checks
 and new requests while a forward runs.
+
+The same liveness rules as the process backends (docs/backends.md), through the same
+:class:`~omni_trio._core.liveness.LivenessTracker` and poll period: a forward with no step
+progress for ``worker_stall_timeout_s``, a dead output packer, an RPC past its timeout and a
+broken device (:class:`~omni_trio.worker.faults.WorkerFatalError`) fail the executor closed,
+so the engine's supervisor replaces it.  (Silence is no verdict here: the worker shares this
+process, so there is nothing to hear from.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import trio
 from trio_typing import TaskStatus
 
+from .._core.liveness import LivenessTracker
 from .._core.messages import (
     AsyncOutput,
     AsyncOutputKind,
@@ -57,6 +66,11 @@ class InprocExecutor(Executor):
         self._closed_event = trio.Event()
         self._closing = False
         self._reply: ThreadReplySender | None = None
+        self._tracker = LivenessTracker(
+            ranks=1, heartbeat_timeout_s=None, stall_timeout_s=config.worker_stall_timeout_s
+        )
+        # The wait of the forward or RPC in flight, which a failure cancels.
+        self._call_scope: trio.CancelScope | None = None
 
     async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model in the worker thread, report ready, run until cancelled.
@@ -88,6 +102,8 @@ class InprocExecutor(Executor):
                     await self._thread.run(
                         functools.partial(worker.start_output_packer, forward_output_ready)
                     )
+                self._tracker.start(trio.current_time())
+                nursery.start_soon(self._monitor, worker)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
@@ -148,65 +164,70 @@ class InprocExecutor(Executor):
         scheduler_output: SchedulerOutput,
     ) -> BatchRunnerOutput:
         ids = scheduler_output.scheduled_request_ids
-        stalled: list[StallError] = []
         try:
-            async with trio.open_nursery() as nursery:
-                if self.config.worker_stall_timeout_s is not None:
-                    nursery.start_soon(self._watch_progress, nursery.cancel_scope, stalled)
+            with self._calling() as scope:
                 result = await self._thread.run(
                     functools.partial(method, scheduler_output),
                     on_cancel=functools.partial(self.stop_flags.abort, ids),
                 )
-                nursery.cancel_scope.cancel()
                 # An abort that came after the worker forgot the forward's flags (between
                 # the thread's return and now) is over too.
                 self.stop_flags.forget(ids)
-            if stalled:
-                raise stalled[0]
+            if scope.cancelled_caught:
+                self.check_health()  # the monitor failed the executor: raises why
             return result
         except trio.Cancelled:
-            if stalled:
-                raise stalled[0] from None
+            if self._dead_reason is not None:
+                self.check_health()
             raise
         except EngineClosedError:
             raise
-        except StallError as exc:
-            self.fail(exc)
-            raise
         except Exception as exc:
             # The runner turns request failures into outputs; an exception here means the
-            # worker itself is broken.  Fail closed.
-            self.fail(exc)
+            # worker itself is broken (a device fault, a torn collective).  Fail closed.
+            self._fail(exc)
             raise EngineDeadError(f"worker 0 failed: {type(exc).__name__}: {exc}") from exc
 
-    async def _watch_progress(self, forward: trio.CancelScope, stalled: list[StallError]) -> None:
-        """A forward with no denoising-step progress for ``worker_stall_timeout_s`` is hung:
-        fail closed (INV-6), ask everything to stop and cancel the forward's wait.  The
-        worker thread gets ``close_timeout_s`` to come back before the wait gives up."""
-        timeout = self.config.worker_stall_timeout_s
-        assert timeout is not None
-        worker = self._worker
-        if worker is None:
-            return
-        poll = min(1.0, max(timeout / 4, 0.01))
-        last_steps = worker.steps_done
-        last_change = trio.current_time()
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[trio.CancelScope]:
+        """One call in flight: the liveness clock runs, and a failure cancels its wait."""
+        with trio.CancelScope() as scope:
+            self._call_scope = scope
+            self._tracker.call_started(trio.current_time())
+            try:
+                yield scope
+            finally:
+                self._tracker.call_ended()
+                self._call_scope = None
+
+    async def _monitor(self, worker: Worker) -> None:
+        """The worker's liveness, every ``poll_s`` (the process backends' period): a call
+        with no step progress for ``worker_stall_timeout_s`` or a dead output packer fails
+        the executor closed."""
+        tracker = self._tracker
         while True:
-            await trio.sleep(poll)
-            steps = worker.steps_done
+            await trio.sleep(tracker.poll_s)
             now = trio.current_time()
-            if steps != last_steps:
-                last_steps, last_change = steps, now
-                continue
-            if now - last_change > timeout:
-                error = StallError(
-                    "forward", f"worker 0: no step progress in {now - last_change:.1f} s"
-                )
-                stalled.append(error)
-                self.fail(error)
-                self.stop_flags.stop_everything()
-                forward.cancel()
+            tracker.heard(0, now, steps=worker.steps_done, packer_alive=worker.packer_alive)
+            verdict = tracker.check(now)
+            if verdict is not None:
+                self._fail(verdict)
                 return
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail closed: remember why, stop every forward, fail every pending output and
+        cancel the wait of the call in flight (the worker thread gets ``close_timeout_s``
+        to come back at close)."""
+        first = self._dead_reason is None
+        self.fail(error)
+        if not first:
+            return
+        log.warning("worker failed: %s: %s", type(error).__name__, error)
+        self.stop_flags.stop_everything()
+        if self._pump is not None:
+            self._pump.fail(error)
+        if self._call_scope is not None:
+            self._call_scope.cancel()
 
     async def collective_rpc(
         self,
@@ -218,18 +239,27 @@ class InprocExecutor(Executor):
     ) -> Any:
         worker = self._usable_worker()
         call = functools.partial(worker.execute_method, method, *args, **kwargs)
-        with trio.move_on_after(float("inf") if timeout is None else timeout) as scope:
+        with (
+            self._calling() as failed,
+            trio.move_on_after(math.inf if timeout is None else timeout) as scope,
+        ):
             try:
                 result = await self._thread.run(call, abandon_on_cancel=True)
             except (AttributeError, TypeError):
                 raise
             except WorkerFatalError as exc:
-                self.fail(exc)  # the worker itself is broken, as in a forward
+                self._fail(exc)  # the worker itself is broken, as in a forward
                 raise WorkerError(str(exc), worker=0, error_type=type(exc).__name__) from exc
             except Exception as exc:
                 raise WorkerError(str(exc), worker=0, error_type=type(exc).__name__) from exc
+        if failed.cancelled_caught:
+            self.check_health()
         if scope.cancelled_caught:
-            raise StallError("rpc", f"RPC {method!r} did not finish within {timeout} s")
+            # The worker runs one call at a time: every later call would queue behind this
+            # one.  Fail closed, as every backend does.
+            error = StallError("rpc", f"{method!r} got no reply within {timeout} s")
+            self._fail(error)
+            raise error
         return result if unique_reply_rank is not None else [result]
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

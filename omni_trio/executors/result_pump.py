@@ -114,6 +114,8 @@ class _Result:
     error: str | None = None
     error_type: str | None = None
     failure: BaseException | None = None
+    traceback: str | None = None
+    fatal: bool = False
 
 
 # What a claim's callback is given: (payload, None) or (None, the error).
@@ -269,7 +271,15 @@ class ResultPump:
                 self._expect(reply.async_output_id)
             else:
                 self._forsake_output(reply.async_output_id)
-        waiter.resolve(_Result(value=reply, error=reply.error, error_type=reply.error_type))
+        waiter.resolve(
+            _Result(
+                value=reply,
+                error=reply.error,
+                error_type=reply.error_type,
+                traceback=reply.traceback,
+                fatal=reply.fatal,
+            )
+        )
 
     def _on_output_ready(self, reply: AsyncOutput) -> None:
         key = reply.async_output_id
@@ -653,7 +663,13 @@ class ResultPump:
         if result.failure is not None:
             raise result.failure.with_traceback(None)
         if result.error is not None:
-            raise WorkerError(result.error, worker=self.worker, error_type=result.error_type)
+            raise WorkerError(
+                result.error,
+                worker=self.worker,
+                error_type=result.error_type,
+                traceback_text=result.traceback,
+                fatal=result.fatal,
+            )
         return result.value
 
     def _expect(self, key: str) -> None:

@@ -1,21 +1,19 @@
-"""The multi-process executor: one tractor sub-actor (an OS process) per worker.
+"""The tractor backend: one tractor sub-actor (an OS process) per worker, behind a
+:class:`~omni_trio.executors.group.Transport` (the group's rules are the
+:class:`~omni_trio.executors.group.GroupExecutor`'s).
 
 Shape (see ``notes/tractor-0.1.0a5.md`` for why each piece is there):
 
-- ``serve`` opens a tractor nursery on an explicit free registry port (two engines never join
-  each other's tree), starts every worker actor, and opens ONE ``open_context`` per worker
-  with a persistent bidirectional stream.  Each worker loads its model inside that context
-  and reports ``pid``, ``rank`` and its model info in ``ctx.started``.
-- Each worker link has a single reader (it resolves replies by call id and records
-  heartbeats) and a single writer task fed by an unbounded channel, so ``abort_requests``
-  never blocks.
-- tractor 0.1.0a5 never notices a dead child, so each worker's pid is watched with
-  ``os.pidfd_open`` + ``trio.lowlevel.wait_readable``; a missing heartbeat, or a call that
-  makes no step progress for ``worker_stall_timeout_s``, marks the worker hung.  Either way
-  the executor *fails closed*: every pending call fails with a :class:`WorkerError` naming
-  the rank, the pid and the exit status, and the whole group is torn down.
-- Every call is sent to all ranks; only the output rank ships its result, the others reply
-  with an acknowledgement (so a failure on any rank is seen, with its traceback).
+- ``open`` opens a tractor nursery on an explicit free registry port (two engines never join
+  each other's tree); ``serve_rank`` starts one worker actor and opens ONE ``open_context``
+  with a persistent bidirectional stream.  The worker loads its model inside that context
+  and reports its pid and model info in ``ctx.started``.
+- Each rank's stream has a single reader (every message goes to the executor's ``deliver``:
+  its replies to the rank's result pump, its heartbeats to the liveness tracker) and a single
+  writer task fed by an unbounded channel, so ``send`` never blocks.  Messages are the typed
+  wire messages of :mod:`omni_trio._core.messages`, encoded by :mod:`omni_trio.ipc`.
+- tractor 0.1.0a5 never notices a dead child, so ``wait_exited`` watches each worker's pid
+  with ``os.pidfd_open`` + ``trio.lowlevel.wait_readable``; ``kill`` is a SIGKILL.
 - ``EngineConfig.worker_start_method``: ``"trio"`` (tractor's default) runs each worker as a
   fresh interpreter, which imports torch, diffusers and our worker code again on every
   restart; ``"forkserver"`` selects tractor's forkserver method with the heavy modules
@@ -28,8 +26,6 @@ Shape (see ``notes/tractor-0.1.0a5.md`` for why each piece is there):
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import math
 import multiprocessing
@@ -39,23 +35,30 @@ import signal
 import socket
 import threading
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import trio
-from trio_typing import TaskStatus
 
-from .._core.health import WorkerStatus
-from .._core.messages import AsyncOutput
+from .._core.messages import WorkerAbort, WorkerCall
 from ..config import EngineConfig
-from ..errors import EngineClosedError, EngineDeadError, InvalidConfigError, StallError, WorkerError
+from ..errors import EngineDeadError, InvalidConfigError, WorkerError
 from ..ipc import SegmentRegistry
 from ._process import wait_exited as _wait_exited
-from .base import Executor, GroupExecutor, WorkerState
-from .result_pump import ResultPump
+from .group import (
+    KILL_WAIT_S,
+    STARTED,
+    Deliver,
+    GroupExecutor,
+    RankInit,
+    RankStarted,
+    RankStatus,
+    Transport,
+)
 
-__all__ = ["FORKSERVER_PRELOAD", "TractorExecutor"]
+__all__ = ["FORKSERVER_PRELOAD", "TractorExecutor", "TractorTransport"]
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +102,6 @@ def _may_handle_sigterm() -> bool:
     return threading.current_thread() is threading.main_thread() and signal.getsignal(
         signal.SIGTERM
     ) in (signal.SIG_DFL, None)
-
-
-def _exit_status(code: int | None) -> str:
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 # What the fork server imports once, so that no forked worker pays for it: torch, diffusers
@@ -186,31 +178,14 @@ def _runs(pid: int) -> bool:
 
 
 @dataclass(eq=False)
-class _Waiter:
-    done: trio.Event = field(default_factory=trio.Event)
-    reply: dict[str, Any] | None = None
-    error: BaseException | None = None
-
-    def settle(
-        self, reply: dict[str, Any] | None = None, error: BaseException | None = None
-    ) -> None:
-        if not self.done.is_set():
-            self.reply, self.error = reply, error
-            self.done.set()
-
-
-@dataclass(eq=False)
 class _WorkerLink:
-    """The executor's side of one worker: its pid, outbox, pending calls and liveness."""
+    """The transport's side of one worker: its pid, outbox and process."""
 
     rank: int
     pid: int
     outbox: trio.MemorySendChannel[bytes]
-    last_beat: float
-    steps: int = 0
-    last_progress_at: float = 0.0
-    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
-    pending: dict[int, _Waiter] = field(default_factory=dict)
+    # Set by kill(): the worker is being SIGKILLed, never asked.
+    killed: bool = False
     # tractor's (private) process object of this worker, when found, for its exit status:
     # a trio.Process (start method "trio": our child, reaped with waitpid), or a
     # multiprocessing.Process ("forkserver": the fork server's child; the fork server reaps
@@ -255,68 +230,45 @@ class _WorkerLink:
                 await trio.sleep(0.005)
         return self.exit_code
 
-    def fail_pending(self, error: BaseException) -> None:
-        for waiter in self.pending.values():
-            waiter.settle(error=error)
-        self.pending.clear()
 
-
-class TractorExecutor(GroupExecutor):
-    """Backend ``"tractor"``: ``num_workers`` worker processes under one tractor nursery.
+class TractorTransport(Transport):
+    """Worker processes under one tractor nursery; see the module docstring.
 
     One per process at a time: tractor 0.1.0a5 keeps a single runtime (root actor) per
     process in a module global, and it lives inside the ``open_nursery`` of whichever
-    executor opened it.  A second executor would silently nest in that runtime and lose its
-    workers' channels when the first engine closes, so ``serve`` refuses it with
+    executor opened it.  A second one would silently nest in that runtime and lose its
+    workers' channels when the first engine closes, so ``open`` refuses it with
     :class:`InvalidConfigError` instead.  (An application that is itself a tractor actor is
     different: its runtime outlives the engine, so the workers nest in it.)
     """
 
-    one_per_process = True
-    # The executor whose ``serve`` opened this process's tractor runtime, if any.  Class
+    # The transport whose ``open`` opened this process's tractor runtime, if any.  Class
     # state because tractor's runtime is process state.
-    _runtime_owner: ClassVar[TractorExecutor | None] = None
+    _runtime_owner: ClassVar[TractorTransport | None] = None
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self) -> None:
         self._links: dict[int, _WorkerLink] = {}
-        self._ids = itertools.count(1)
-        self._group_scope: trio.CancelScope | None = None
-        self._serve_done = trio.Event()
-        self._closing = False
+        self._actors: Any = None
         self._tag = secrets.token_hex(3)
-        # This group's own tractor registry (arbiter) address, chosen when ``serve`` starts:
+        # This group's own tractor registry (arbiter) address, chosen when ``open`` starts:
         # a free loopback port, never tractor's global default 1616, so two engines in one
         # host (or one process) never join each other's tree.
         self.registry_addr: tuple[str, int] | None = None
-        # torch.distributed rendezvous of a CFG-parallel group (2 workers), else None.
-        self._dist_init_method: str | None = None
         self._sigterm_received = False
-        self._pump_send: trio.MemorySendChannel[AsyncOutput] | None = None
-        self._pump_replies: trio.MemoryReceiveChannel[AsyncOutput] | None = None
+        self._world_size = 0
 
-    # -- lifecycle ----------------------------------------------------------------------
+    def shm_tag(self, rank: int) -> str:
+        return f"w{rank}{self._tag}"
 
-    def _wire_config(self) -> dict[str, Any]:
-        data = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        data["backend"] = "inproc"  # inside the worker there is no executor
-        data["num_workers"] = 1
-        # Threads are divided among *all* workers here, not recomputed per process.
-        data["torch_threads"] = self.config.resolved_torch_threads
-        data["model_options"] = dict(self.config.model_options)
-        return data
-
-    async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
-        """Spawn the workers, load the model in each (concurrently), report ready, then run
-        until cancelled or until the group fails.  Teardown asks each worker to stop, waits
-        at most ``close_timeout_s``, then kills the processes."""
+    @asynccontextmanager
+    async def open(
+        self, config: EngineConfig, fail: Callable[[BaseException], None]
+    ) -> AsyncIterator[None]:
         _silence_tractor_warnings()  # before the first import of tractor, which warns
         import tractor
 
-        from .._core.model_info import ModelInfo
-        from ..worker.tractor_actor import WORKER_MODULE
-
-        start_method = self.config.worker_start_method
+        self._world_size = config.num_workers
+        start_method = config.worker_start_method
         if start_method == "forkserver" and multiprocessing.current_process().name != "MainProcess":
             # tractor 0.1.0a5 starts its fork server only from the main process.
             raise InvalidConfigError(
@@ -326,10 +278,10 @@ class TractorExecutor(GroupExecutor):
             )
         runtime = tractor.current_actor(err_on_no_runtime=False)
         if runtime is None:
-            # We open the process's tractor runtime: it lives exactly as long as this serve.
-            TractorExecutor._runtime_owner = self
+            # We open the process's tractor runtime: it lives exactly as long as this group.
+            TractorTransport._runtime_owner = self
             self.registry_addr = ("127.0.0.1", _free_port())
-        elif TractorExecutor._runtime_owner is not None:
+        elif TractorTransport._runtime_owner is not None:
             raise InvalidConfigError(
                 "another engine with backend='tractor' is running in this process; tractor "
                 "0.1.0a5 keeps one runtime per process and it ends when that engine closes, "
@@ -342,19 +294,6 @@ class TractorExecutor(GroupExecutor):
             addr = getattr(runtime, "_arb_addr", None)
             self.registry_addr = (str(addr[0]), int(addr[1])) if addr else None
         try:
-            # The tractor runtime itself lives inside ``open_nursery``: the group scope must sit
-            # *inside* it, so cancelling the group (close, a dead worker) stops our tasks but
-            # leaves the runtime's channels up for the graceful ``actors.cancel()`` below.
-            # (Cancelling the runtime first closed every channel, so no cancel request could
-            # be sent and tractor SIGKILLed each worker after its 3 s reap timeout.)
-            if self.config.num_workers > 1 and self.config.cfg_parallel:
-                self._dist_init_method = f"tcp://127.0.0.1:{_free_port()}"
-            if self.config.async_output and not self.config.step_execution:
-                # Rank 0's packer sends OUTPUT_READY on its stream; the pump is their reader.
-                self._pump = ResultPump(worker=0)
-                self._pump_send, self._pump_replies = trio.open_memory_channel[AsyncOutput](
-                    math.inf
-                )
             # The start method is process-wide tractor state: select it explicitly every
             # time (a forkserver engine earlier in this process must not leave it set).  An
             # application's own runtime keeps the method it chose.
@@ -364,134 +303,87 @@ class TractorExecutor(GroupExecutor):
             async with tractor.open_nursery(
                 arbiter_addr=self.registry_addr, loglevel="critical", **nursery_options
             ) as actors:
+                self._actors = actors
                 try:
-                    from tractor import _spawn
-
-                    if _spawn._spawn_method == "forkserver":
-                        # After tractor selected the method (it replaced the stdlib's fork
-                        # server with its own); the env (PYTHONWARNINGS above) is frozen now.
-                        try:
-                            await trio.to_thread.run_sync(
-                                _ensure_forkserver, list(FORKSERVER_PRELOAD)
-                            )
-                        except (OSError, EOFError) as exc:
-                            raise WorkerError(
-                                f"the fork server did not start: {exc!r}",
-                                error_type="ForkServerError",
-                            ) from exc
-                    elif start_method != "trio":
-                        log.warning(
-                            "worker_start_method=%r ignored: the application's tractor runtime "
-                            "spawns with %r",
-                            start_method,
-                            _spawn._spawn_method,
-                        )
-                    with trio.CancelScope() as group_scope:
-                        self._group_scope = group_scope
-                        async with trio.open_nursery() as links:
-                            # Workers start concurrently; the first startup failure wins
-                            # (every rank usually fails the same way, e.g. a bad model).
-                            startup_errors: list[Exception] = []
-
-                            async def start_one(rank: int, starters: trio.Nursery) -> None:
-                                try:
-                                    portal = await actors.start_actor(
-                                        f"omni-trio-worker-{rank}-{self._tag}",
-                                        enable_modules=[WORKER_MODULE],
-                                    )
-                                    await links.start(self._serve_link, actors, rank, portal)
-                                except Exception as exc:
-                                    startup_errors.append(exc)
-                                    starters.cancel_scope.cancel()
-
-                            async with trio.open_nursery() as starters:
-                                for rank in range(self.config.num_workers):
-                                    starters.start_soon(start_one, rank, starters)
-                            if startup_errors:
-                                raise startup_errors[0]
-                            info = self._ready_info
-                            self.model_info = ModelInfo(**info)
-                            if self._pump is not None:
-                                await links.start(self._pump.serve, self._pump_replies)
-                            links.start_soon(self._monitor_liveness)
-                            if _may_handle_sigterm():
-                                links.start_soon(self._stop_on_sigterm)
-                            task_status.started(self)
-                            await trio.sleep_forever()
+                    await self._warm_fork_server(start_method)
+                    async with trio.open_nursery() as tasks:
+                        if _may_handle_sigterm():
+                            tasks.start_soon(self._stop_on_sigterm, fail)
+                        yield
+                        tasks.cancel_scope.cancel()
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._stop_actors(actors)
+                        # Every rank is stopped or killed by now; let tractor reap them.
+                        for link in self._links.values():
+                            link.outbox.close()
+                        with trio.move_on_after(5):
+                            await actors.cancel(hard_kill=True)
         finally:
-            if TractorExecutor._runtime_owner is self:
-                TractorExecutor._runtime_owner = None
-            self._closed = True
-            error = self._dead_reason or EngineClosedError("executor is closed")
-            for link in self._links.values():
-                link.fail_pending(error)
-            if self._pump is not None:
-                self._pump.fail(error)
+            if TractorTransport._runtime_owner is self:
+                TractorTransport._runtime_owner = None
             if self._sigterm_received:
-                # The workers are down (gracefully); now die of the SIGTERM as asked.
+                # The workers are down; now die of the SIGTERM as asked.
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
             # Every worker process is gone: unlink what they created and nobody received.
-            for rank in range(self.config.num_workers):
-                swept = SegmentRegistry(self._shm_tag(rank)).sweep()
+            for rank in range(self._world_size):
+                swept = SegmentRegistry(self.shm_tag(rank)).sweep()
                 if swept:
                     log.info("unlinked %d shared-memory segment(s) of worker %d", len(swept), rank)
-            self._serve_done.set()
 
-    _ready_info: dict[str, Any]
+    async def _warm_fork_server(self, start_method: str) -> None:
+        from tractor import _spawn
 
-    async def _stop_actors(self, actors: Any) -> None:
-        """Shutdown escalates: ask every worker to stop (tractor's cancel request, 0.5 s ack
-        timeout each), wait at most ``close_timeout_s`` for every worker *process* to exit,
-        then terminate the ones left (tractor's reap SIGKILLs them 3 s later).
+        if _spawn._spawn_method == "forkserver":
+            # After tractor selected the method (it replaced the stdlib's fork server with
+            # its own); the env (PYTHONWARNINGS above) is frozen now.
+            try:
+                await trio.to_thread.run_sync(_ensure_forkserver, list(FORKSERVER_PRELOAD))
+            except (OSError, EOFError) as exc:
+                raise WorkerError(
+                    f"the fork server did not start: {exc!r}", error_type="ForkServerError"
+                ) from exc
+        elif start_method != "trio":
+            log.warning(
+                "worker_start_method=%r ignored: the application's tractor runtime spawns with %r",
+                start_method,
+                _spawn._spawn_method,
+            )
 
-        Waiting for the processes matters: a cancel request a busy worker cannot ack in
-        0.5 s comes back False without raising, and tractor's own nursery exit would then
-        wait for that process with no deadline."""
-        for link in self._links.values():
-            link.outbox.close()
-        budget = self.config.close_timeout_s
-        pids = [link.pid for link in self._links.values()]
-        with trio.move_on_after(budget) as scope:
-            await actors.cancel()
-            async with trio.open_nursery() as waiters:
-                for pid in pids:
-                    waiters.start_soon(_wait_exited, pid)
-        if scope.cancelled_caught:
-            log.warning("workers did not stop in %s s; terminating them", budget)
-            with trio.move_on_after(5):
-                await actors.cancel(hard_kill=True)
-                async with trio.open_nursery() as waiters:
-                    for pid in pids:
-                        waiters.start_soon(_wait_exited, pid)
-        for link in self._links.values():
-            await link.wait_exit_code(timeout=0.5)
+    async def _stop_on_sigterm(self, fail: Callable[[BaseException], None]) -> None:
+        """A SIGTERM to the engine's process (``kill <pid>``, systemd, Kubernetes) tears the
+        worker group down and then lets the SIGTERM end the process, instead of the default
+        instant death that skips every cleanup.  Installed only while nobody else handles
+        SIGTERM."""
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                log.warning("SIGTERM: stopping the worker processes, then exiting")
+                self._sigterm_received = True
+                fail(EngineDeadError("the engine process received SIGTERM"))
+                return
 
-    async def _serve_link(
-        self,
-        actors: Any,
-        rank: int,
-        portal: Any,
-        *,
-        task_status: TaskStatus[_WorkerLink] = trio.TASK_STATUS_IGNORED,
+    async def serve_rank(
+        self, init: RankInit, deliver: Deliver, *, task_status: RankStatus = STARTED
     ) -> None:
         import tractor
 
         from ..ipc import decode
-        from ..worker.tractor_actor import serve_worker
+        from ..worker.tractor_actor import WORKER_MODULE, serve_worker
 
+        rank = init.rank
+        started_ok = False
         try:
+            portal = await self._actors.start_actor(
+                f"omni-trio-worker-{rank}-{self._tag}", enable_modules=[WORKER_MODULE]
+            )
             async with (
                 portal.open_context(
                     serve_worker,
-                    config=self._wire_config(),
+                    config=dict(init.config),
                     rank=rank,
-                    world_size=self.config.num_workers,
-                    dist_init_method=self._dist_init_method,
-                    shm_tag=self._shm_tag(rank),
+                    world_size=init.world_size,
+                    dist_init_method=init.dist_init_method,
+                    shm_tag=self.shm_tag(rank),
                     # Under forkserver the worker's OS parent is the fork server: say who
                     # the engine is, so the worker ends when this process dies.
                     engine_pid=os.getpid(),
@@ -499,35 +391,35 @@ class TractorExecutor(GroupExecutor):
                 ctx.open_stream() as stream,
             ):
                 send, receive = trio.open_memory_channel[bytes](math.inf)
-                now = trio.current_time()
                 pid = int(started["pid"])
-                link = _WorkerLink(rank, pid, send, now, last_progress_at=now)
-                link.process = self._find_process(actors, pid)
+                link = _WorkerLink(rank, pid, send)
+                link.process = self._find_process(pid)
                 if isinstance(link.process, multiprocessing.process.BaseProcess):
                     link.fork_server = _forkserver_pid()
                 self._links[rank] = link
-                if rank == 0:
-                    self._ready_info = started["model_info"]
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write_link, stream, receive)
-                    nursery.start_soon(self._watch_pid, actors, link)
-                    task_status.started(link)
-                    async for raw in stream:
-                        self._on_message(link, decode(raw))
-                    if not self._closing:
-                        self._fail_group(WorkerError("closed its stream", worker=rank))
-                    nursery.cancel_scope.cancel()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._write_link, stream, receive)
+                        task_status.started(RankStarted(pid, started["model_info"]))
+                        started_ok = True
+                        async for raw in stream:
+                            deliver(decode(raw))
+                        nursery.cancel_scope.cancel()
+                finally:
+                    if link.killed:
+                        # tractor would ask the dead worker to cancel its context and wait
+                        # 0.5 s for an answer that cannot come; a closed channel skips it.
+                        with trio.CancelScope(shield=True), trio.move_on_after(KILL_WAIT_S):
+                            await _wait_exited(pid)
+                            await portal.channel.aclose()
         except tractor.RemoteActorError as exc:
-            error = self._box_remote(rank, exc)
-            if rank not in self._links:
-                raise error from None  # startup failure: open_executor raises it
-            self._fail_group(error)
+            raise self._box_remote(rank, exc) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
-            if rank not in self._links:
-                raise WorkerError(f"lost during startup: {exc!r}", worker=rank) from exc
-            self._fail_group(WorkerError(f"link broke: {exc!r}", worker=rank))
+            what = "link broke" if started_ok else "lost during startup"
+            raise WorkerError(f"{what}: {exc!r}", worker=rank) from exc
 
-    def _box_remote(self, rank: int, exc: Any) -> Exception:
+    @staticmethod
+    def _box_remote(rank: int, exc: Any) -> Exception:
         data = getattr(exc, "msgdata", {}) or {}
         type_str = data.get("type_str", type(exc).__name__)
         tb = data.get("tb_str", "")
@@ -537,225 +429,76 @@ class TractorExecutor(GroupExecutor):
             return InvalidConfigError(message)
         return WorkerError(message, worker=rank, error_type=type_str, traceback_text=tb)
 
-    async def _write_link(self, stream: Any, receive: trio.MemoryReceiveChannel[bytes]) -> None:
+    @staticmethod
+    async def _write_link(stream: Any, receive: trio.MemoryReceiveChannel[bytes]) -> None:
         async with receive:
             async for data in receive:
                 await stream.send(data)
 
-    def _on_message(self, link: _WorkerLink, message: dict[str, Any]) -> None:
-        op = message.get("op")
-        now = trio.current_time()
-        steps = message.get("steps")
-        if isinstance(steps, int) and steps != link.steps:
-            link.steps = steps
-            link.last_progress_at = now
-        if op == "heartbeat":
-            link.last_beat = now
-            link.progress = {k: (v[0], v[1]) for k, v in message.get("progress", {}).items()}
-        elif op == "reply":
-            link.last_beat = now
-            waiter = link.pending.pop(message["id"], None)
-            if waiter is not None:
-                waiter.settle(reply=message)
-        elif op == "async":
-            link.last_beat = now
-            if self._pump_send is not None:
-                try:
-                    self._pump_send.send_nowait(message["message"])
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass
-
-    async def _watch_pid(self, actors: Any, link: _WorkerLink) -> None:
-        """Fail the group the moment the worker process exits (tractor would not notice)."""
-        await _wait_exited(link.pid)
-        code = await link.wait_exit_code()
-        if self._closing:
-            return
-        self._fail_group(
-            WorkerError(
-                f"process {link.pid} died ({_exit_status(code)})",
-                worker=link.rank,
-                error_type="WorkerDied",
-            )
-        )
-
-    @staticmethod
-    def _find_process(actors: Any, pid: int) -> Any:
+    def _find_process(self, pid: int) -> Any:
         # tractor keeps its process objects privately (trio.Process or, for the forkserver
         # method, multiprocessing.Process); best effort (exit statuses).
-        for entry in getattr(actors, "_children", {}).values():
+        for entry in getattr(self._actors, "_children", {}).values():
             proc = entry[1] if len(entry) > 1 else None
             if proc is not None and getattr(proc, "pid", None) == pid:
                 return proc
         return None
 
-    async def _monitor_liveness(self) -> None:
-        """A worker with no heartbeat for ``worker_heartbeat_timeout_s``, or a call in flight
-        with no step progress for ``worker_stall_timeout_s``, is hung: fail closed."""
-        beat_timeout = self.config.worker_heartbeat_timeout_s
-        stall_timeout = self.config.worker_stall_timeout_s
-        while True:
-            await trio.sleep(1.0)
-            now = trio.current_time()
-            for link in self._links.values():
-                if now - link.last_beat > beat_timeout:
-                    silent = now - link.last_beat
-                    self._fail_group(
-                        StallError("worker", f"worker {link.rank} silent for {silent:.1f} s")
-                    )
-                    return
-                if (
-                    stall_timeout is not None
-                    and link.pending
-                    and now - link.last_progress_at > stall_timeout
-                ):
-                    idle = now - link.last_progress_at
-                    self._fail_group(
-                        StallError("forward", f"worker {link.rank}: no progress in {idle:.1f} s")
-                    )
-                    return
-
-    async def _stop_on_sigterm(self) -> None:
-        """A SIGTERM to the engine's process (``kill <pid>``, systemd, Kubernetes) tears the
-        worker group down gracefully (each worker stops its forward at a step boundary and
-        exits) and then lets the SIGTERM end the process, instead of the default instant
-        death that skips every cleanup.  Installed only while nobody else handles SIGTERM."""
-        with trio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                log.warning("SIGTERM: stopping the worker processes, then exiting")
-                self._sigterm_received = True
-                self._fail_group(EngineDeadError("the engine process received SIGTERM"))
-                return
-
-    def _fail_group(self, error: BaseException) -> None:
-        """Fail closed: remember why, fail every pending call, tear the group down."""
-        if self._closing and self._dead_reason is None:
-            return
-        self.fail(error)
-        for link in self._links.values():
-            link.fail_pending(error)
-        if self._pump is not None:
-            self._pump.fail(error)
-        if self._group_scope is not None:
-            self._group_scope.cancel()
-
-    async def aclose(self) -> None:
-        if self._closing:
-            with trio.CancelScope(shield=True):
-                await self._serve_done.wait()
-            return
-        self._closing = True
-        self._closed = True
-        with trio.CancelScope(shield=True):
-            for link in self._links.values():
-                link.fail_pending(EngineClosedError("executor is closed"))
-            if self._group_scope is not None:
-                self._group_scope.cancel()
-                await self._serve_done.wait()
-
-    # -- calls --------------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._dead_reason is not None or self._closed:
-            self.check_health()
-        if not self._links:
-            raise EngineClosedError("executor is not started")
-
-    async def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        reply_rank: int | None = 0,
-        timeout: float | None = None,
-        abort_ids: Iterable[str] = (),
-    ) -> dict[int, dict[str, Any]]:
-        """Send one call to every rank; return each rank's reply (raises if one is missing)."""
+    def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
         from ..ipc import encode
 
-        self._check_usable()
-        call_id = next(self._ids)
-        data = encode(
-            {
-                "op": "call",
-                "id": call_id,
-                "method": method,
-                "args": list(args),
-                "kwargs": kwargs or {},
-                "reply_rank": reply_rank,
-            }
-        )
-        waiters: dict[int, _Waiter] = {}
-        for rank, link in self._links.items():
-            waiters[rank] = link.pending[call_id] = _Waiter()
-            link.outbox.send_nowait(data)
+        link = self._links.get(rank)
+        if link is None:
+            return
         try:
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                for waiter in waiters.values():
-                    await waiter.done.wait()
-        except trio.TooSlowError:
-            raise StallError("rpc", f"{method!r} got no reply within {timeout} s") from None
-        except trio.Cancelled:
-            ids = list(abort_ids)
-            if ids:
-                self.abort_requests(ids)
-            raise
-        finally:
-            for link in self._links.values():
-                link.pending.pop(call_id, None)
-        replies: dict[int, dict[str, Any]] = {}
-        for rank, waiter in waiters.items():
-            if waiter.error is not None:
-                raise waiter.error
-            assert waiter.reply is not None
-            replies[rank] = waiter.reply
-        return replies
+            link.outbox.send_nowait(encode(message))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
 
-    def _shm_tag(self, rank: int) -> str:
-        return f"w{rank}{self._tag}"
+    def kill(self, rank: int) -> None:
+        link = self._links.get(rank)
+        if link is not None:
+            link.killed = True
+        self._signal(rank, signal.SIGKILL)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        from ..ipc import encode
+    def terminate(self, rank: int) -> None:
+        self._signal(rank, signal.SIGTERM)
 
-        ids = list(request_ids)
-        if not ids or self._closed:
+    def _signal(self, rank: int, sig: signal.Signals) -> None:
+        link = self._links.get(rank)
+        if link is None:
             return
-        data = encode({"op": "abort", "ids": ids})
-        for link in self._links.values():
-            try:
-                link.outbox.send_nowait(data)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass
+        try:
+            os.kill(link.pid, sig)
+        except ProcessLookupError:
+            pass
 
-    def progress(self, request_id: str) -> tuple[int, int] | None:
-        link = self._links.get(0)
-        return link.progress.get(request_id) if link is not None else None
+    async def wait_exited(self, rank: int) -> int | None:
+        link = self._links[rank]
+        await _wait_exited(link.pid)
+        return await link.wait_exit_code()
 
-    def worker_states(self) -> list[WorkerState]:
-        base = super().worker_states()
-        out = []
-        for entry in base:
-            link = self._links.get(entry.rank)
-            if link is None:
-                out.append(entry)
-                continue
-            state = entry.state
-            if link.exit_code is not None and state is WorkerStatus.RUNNING:
-                state = WorkerStatus.FAILED
-            out.append(WorkerState(entry.rank, state, pid=link.pid, steps=link.steps))
-        return out
+    async def stop(self, ranks: Sequence[int]) -> None:
+        """Close each worker's stream and send tractor's cancel request: each worker stops
+        its forward at a step boundary and shuts down."""
+        for rank in ranks:
+            link = self._links.get(rank)
+            if link is not None:
+                link.outbox.close()
+        await self._actors.cancel()
 
-    def worker_pids(self) -> dict[int, int]:
-        """rank -> pid of every worker process."""
-        return {rank: link.pid for rank, link in self._links.items()}
 
-    def worker_exit_codes(self) -> dict[int, int | None]:
-        """rank -> exit status of each worker process once it exited (0: it stopped when
-        asked; negative: killed by that signal), None while it runs or if unknown."""
-        return {rank: link.exit_code for rank, link in self._links.items()}
+class TractorExecutor(GroupExecutor):
+    """Backend ``"tractor"``: ``num_workers`` worker processes under one tractor nursery.
+    One per process at a time (see :class:`TractorTransport`)."""
 
-    def worker_steps(self) -> dict[int, int]:
-        """rank -> denoising steps that worker has run, as last reported (its latest reply
-        or heartbeat): exact for every call that has returned."""
-        return {rank: link.steps for rank, link in self._links.items()}
+    one_per_process = True
+    transport: TractorTransport
+
+    def make_transport(self) -> TractorTransport:
+        return TractorTransport()
+
+    @property
+    def registry_addr(self) -> tuple[str, int] | None:
+        """This group's own tractor registry address (a free loopback port)."""
+        return self.transport.registry_addr

@@ -54,10 +54,13 @@ from .._core.messages import (
     AsyncOutputKind,
     BatchRunnerOutput,
     DiffusionOutput,
+    Heartbeat,
     NewRequestData,
     RequestMetrics,
     RunnerOutput,
     SchedulerOutput,
+    WorkerAbort,
+    WorkerCall,
 )
 from .._core.request import DiffusionRequest, SamplingParams
 from .shm import (
@@ -90,12 +93,15 @@ MESSAGE_TYPES: tuple[type, ...] = (
     BatchRunnerOutput,
     DiffusionOutput,
     DiffusionRequest,
+    Heartbeat,
     NewRequestData,
     RequestMetrics,
     RequestStatus,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,
+    WorkerAbort,
+    WorkerCall,
 )
 
 _TAG_TUPLE = 0

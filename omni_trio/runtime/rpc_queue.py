@@ -2,8 +2,11 @@
 
 Callers :meth:`RpcQueue.call` (and wait, bounded by their timeout); the engine loop runs what
 is queued with :meth:`RpcQueue.run_pending` when no forward is in flight.  An RPC whose
-caller gave up (timed out or cancelled) before it ran is skipped.  Everything runs on the
-engine's trio thread.
+caller gave up (timed out or cancelled) before it ran is skipped.  An RPC whose caller's
+timeout ran out while it ran ends as the executor says: the executor bounds the call by the
+same timeout (and fails its group closed when it passes: a worker runs one call at a time,
+so every later call would queue behind a stuck one).  Everything runs on the engine's trio
+thread.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class _PendingRpc:
     timeout: float | None
     unique_reply_rank: int | None
     done: trio.Event = field(default_factory=trio.Event)
+    started: bool = False
     abandoned: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -61,8 +65,9 @@ class RpcQueue:
         unique_reply_rank: int | None,
     ) -> Any:
         """Queue ``method`` and wait for its result.  Raises :class:`StallError` if
-        ``timeout`` passes first (a still queued RPC is then skipped) and whatever the RPC
-        raised.  If cancelled while queued, the RPC never runs."""
+        ``timeout`` passes while it is still queued (it is then skipped), and whatever the
+        RPC raised (the executor's :class:`StallError` if it ran past ``timeout``).  If
+        cancelled while queued, the RPC never runs."""
         rpc = _PendingRpc(method, args, kwargs, timeout, unique_reply_rank)
         self._queue.append(rpc)
         self._on_queued()
@@ -70,8 +75,17 @@ class RpcQueue:
             with trio.fail_after(math.inf if timeout is None else timeout):
                 await rpc.done.wait()
         except trio.TooSlowError:
-            rpc.abandoned = True
-            raise StallError("rpc", f"RPC {method!r} did not finish within {timeout} s") from None
+            if not rpc.started:
+                rpc.abandoned = True
+                raise StallError(
+                    "rpc", f"RPC {method!r} did not finish within {timeout} s (still queued)"
+                ) from None
+            # It runs: the executor ends it within the same timeout, as it must say.
+            try:
+                await rpc.done.wait()
+            except BaseException:
+                rpc.abandoned = True
+                raise
         except BaseException:
             rpc.abandoned = True
             raise
@@ -87,6 +101,7 @@ class RpcQueue:
             if rpc.abandoned:
                 continue
             self.running = True
+            rpc.started = True
             try:
                 rpc.result = await executor.collective_rpc(
                     rpc.method,

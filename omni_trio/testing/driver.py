@@ -101,8 +101,13 @@ def _worker_processes() -> list[int]:
 def leftover_resources() -> dict[str, list[Any]]:
     """What an engine may leave behind, process-wide: our threads, our shared-memory
     segments, worker processes.  All lists are empty when nothing leaked (INV-3)."""
+    from ..executors.ray_executor import RAY_OWNER_THREAD
+
+    # Ray's owner thread lives as long as the local Ray this process started, not an engine.
     threads = [
-        t.name for t in threading.enumerate() if t.name.startswith("omni-trio") and t.is_alive()
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("omni-trio") and t.name != RAY_OWNER_THREAD and t.is_alive()
     ]
     return {
         "threads": threads,

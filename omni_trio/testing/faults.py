@@ -34,6 +34,15 @@ delay_compute_done  delay_s  request mode: sleeps after the        same
 delay_output_ready  delay_s  async output packer only: sleeps      same
                              after packing, before OUTPUT_READY
                              (outputs complete out of order)
+kill_packer         --       async output packer only: the         same (the heartbeat says
+                             packer thread dies as it starts       ``packer_alive=False``)
+                             packing this request's output; the
+                             liveness monitor fails the group
+poison_device       step     the device breaks for good at step    same (a ``fatal`` reply)
+                             k, like a sticky CUDA error: the
+                             forward fails with a CUDA-like
+                             error, the device probe fails, the
+                             executor fails closed
 fail_warmup         --       not per request: model_options        same
                              ``{"fault_fail_warmup": True}``
                              fails the warmup request at step 0

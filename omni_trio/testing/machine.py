@@ -53,6 +53,7 @@ __all__ = [
     "FAILING_FAULTS",
     "CampaignStats",
     "MachineOptions",
+    "backend_unavailable",
     "engine_config_for",
     "make_engine_machine",
     "run_engine_machine",
@@ -69,12 +70,21 @@ FAILING_FAULTS = (
     Fault.CRASH_AT_STEP,
     Fault.SIGKILL_AT_STEP,
     Fault.HANG_AT_STEP,
+    Fault.KILL_PACKER,
+    Fault.POISON_DEVICE,
 )
 BENIGN_FAULTS = (Fault.SLOW_PACKING, Fault.DELAY_COMPUTE_DONE, Fault.DELAY_OUTPUT_READY)
 _STEP_FAULTS = frozenset(
-    {Fault.RAISE_AT_STEP, Fault.CRASH_AT_STEP, Fault.SIGKILL_AT_STEP, Fault.HANG_AT_STEP}
+    {
+        Fault.RAISE_AT_STEP,
+        Fault.CRASH_AT_STEP,
+        Fault.SIGKILL_AT_STEP,
+        Fault.HANG_AT_STEP,
+        Fault.POISON_DEVICE,
+    }
 )
-_WORKER_FAULTS = frozenset({Fault.CRASH_AT_STEP, Fault.SIGKILL_AT_STEP, Fault.HANG_AT_STEP})
+# Faults that fire only where request-mode outputs go through the async output packer.
+_PACKER_FAULTS = frozenset({Fault.KILL_PACKER})
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,20 @@ class MachineOptions:
         data = dict(data)
         data["faults"] = tuple(Fault(f) for f in data.get("faults", ()))
         return cls(**data)
+
+
+def backend_unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run here (its optional extra is missing), or None."""
+    if backend != "ray":
+        return None
+    from ..errors import InvalidConfigError
+    from ..executors.ray_executor import import_ray
+
+    try:
+        import_ray()
+    except InvalidConfigError as exc:
+        return str(exc)
+    return None
 
 
 def engine_config_for(options: MachineOptions) -> EngineConfig:
@@ -162,8 +186,11 @@ class _Submitted:
     fault: FaultSpec | None
 
 
-def _fault_fires(spec: FaultSpec | None, steps: int) -> bool:
+def _fault_fires(spec: FaultSpec | None, steps: int, mode: str = "request") -> bool:
+    """Whether ``spec`` (on a request of ``steps`` steps, in ``mode``) makes it fail."""
     if spec is None or spec.kind not in FAILING_FAULTS:
+        return False
+    if spec.kind in _PACKER_FAULTS and mode != "request":
         return False
     if spec.kind in _STEP_FAULTS:
         return spec.step is not None and spec.step < steps
@@ -228,6 +255,7 @@ def make_engine_machine(
                 elif event.kind is _K.CLOSE:
                     first.setdefault(("", _K.CLOSE), index)
             close_at = first.get(("", _K.CLOSE), len(events))
+            crashes = [i for i, event in enumerate(events) if event.kind is _K.CRASH]
             for rid, sub in self.submitted.items():
                 admit = first.get((rid, _K.ADMIT))
                 end = first.get((rid, _K.TERMINAL))
@@ -240,12 +268,17 @@ def make_engine_machine(
                 )
                 if stopped < end:
                     continue  # aborted, dropped or closed while live: any terminal status
-                if _fault_fires(sub.fault, sub.steps):
+                if _fault_fires(sub.fault, sub.steps, options.mode):
                     assert status != "FINISHED_COMPLETED", (
                         f"{rid}: its fault {sub.fault} fired but it completed"
                     )
                     continue
-                exposed = any(admit <= mark <= end for mark in self.fault_marks)
+                # Exposed: a failing fault was submitted while it lived (it may share its
+                # batch), or its worker group failed while it lived (a neighbour's crash
+                # retried it, perhaps beside the same neighbour again: retries run out).
+                exposed = any(admit <= mark <= end for mark in self.fault_marks) or any(
+                    admit <= at <= end for at in crashes
+                )
                 if not exposed:
                     assert status == "FINISHED_COMPLETED", (
                         f"{rid}: no fault, no abort, no crash while it ran, yet it ended {status}"

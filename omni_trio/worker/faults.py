@@ -72,11 +72,14 @@ __all__ = [
     "PROCESS_ONLY_FAULTS",
     "STEP_FAULTS",
     "WARMUP_REQUEST_ID",
+    "DeviceFaultError",
+    "DeviceFaultInjected",
     "Fault",
     "FaultInjectedError",
     "FaultInjector",
     "FaultPlan",
     "FaultSpec",
+    "PackerKilledInjected",
     "WorkerCrashInjected",
     "WorkerFatalError",
     "in_worker_process",
@@ -108,6 +111,30 @@ class WorkerFatalError(Exception):
     The runner lets it propagate out of the worker call; the executor then fails closed
     (a worker process ends itself with :data:`EXIT_CODE` instead of replying).
     """
+
+
+class DeviceFaultError(WorkerFatalError):
+    """The worker's device is broken (a failed probe after an error that looked like a
+    device fault): nothing more can run on it, so the worker group must be replaced."""
+
+
+class DeviceFaultInjected(RuntimeError):
+    """The error a poisoned device raises (an injected ``poison_device``): it reads like a
+    sticky CUDA error, so the runner probes the device."""
+
+    def __init__(self, request_id: str, step: int) -> None:
+        super().__init__(
+            f"CUDA error: an illegal memory access was encountered (injected poison_device at "
+            f"step {step} for request {request_id!r})"
+        )
+        self.request_id = request_id
+        self.kind = Fault.POISON_DEVICE
+        self.step = step
+
+
+class PackerKilledInjected(BaseException):
+    """Ends the output packer's thread (an injected ``kill_packer``): a BaseException, so
+    the packer's own error handling does not turn it into a packing error."""
 
 
 class WorkerCrashInjected(WorkerFatalError):
@@ -191,6 +218,8 @@ class FaultInjector:
         self._sleep = sleep
         self._released = threading.Event()
         self._empty = FaultPlan(self, {})
+        # Set by an injected poison_device: the device probe fails from then on.
+        self.device_poisoned = False
 
     @classmethod
     def from_config(
@@ -255,6 +284,10 @@ class FaultInjector:
         kind = spec.kind
         if kind in (Fault.RAISE_AT_STEP, Fault.FAIL_WARMUP):
             raise FaultInjectedError(request_id, kind, step)
+        if kind is Fault.POISON_DEVICE:
+            log.warning("injected poison_device at step %d of %s", step, request_id)
+            self.device_poisoned = True
+            raise DeviceFaultInjected(request_id, step)
         if kind is Fault.HANG_AT_STEP:
             self._hang(request_id, step)
         elif self.worker_process:
@@ -332,6 +365,15 @@ class FaultPlan:
                 self._injector._delay(spec.delay_s or 0.0)
             elif spec.kind is Fault.FAIL_PACKING:
                 raise FaultInjectedError(request_id, spec.kind)
+
+    def in_packer(self, request_ids: Iterable[str]) -> None:
+        """The async packer's thread is about to pack these requests' outputs: KILL_PACKER
+        ends the thread (:class:`PackerKilledInjected`)."""
+        for rid in request_ids:
+            for spec in self._faults.get(rid, ()):
+                if spec.kind is Fault.KILL_PACKER:
+                    log.warning("injected kill_packer for %s", rid)
+                    raise PackerKilledInjected(rid)
 
     def after_pack(self, request_id: str) -> None:
         """``request_id``'s output is packed, OUTPUT_READY not sent yet (async packer only):

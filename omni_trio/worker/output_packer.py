@@ -101,6 +101,8 @@ class OutputPacker:
         # output id -> the request ids of a submitted output (when it names them), until its
         # OUTPUT_READY was sent.  Guarded by _state.
         self._owners: dict[str, tuple[str, ...]] = {}
+        # Set when an OUTPUT_READY could not be sent: the outputs after it may never come.
+        self._send_failed = False
 
     @property
     def pending(self) -> int:
@@ -112,6 +114,15 @@ class OutputPacker:
     def closed(self) -> bool:
         with self._state:
             return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """False once the packer thread died while it had work, or a send failed: the
+        outputs it holds will never come (liveness: the group must fail).  Any thread."""
+        with self._state:
+            thread = self._thread
+            died = thread is not None and not thread.is_alive() and not self._stop_queued
+            return not (died or self._send_failed)
 
     def leftovers(self) -> dict[str, set[str]]:
         """``packer_queue``: the requests whose outputs are submitted and not sent yet (for
@@ -212,6 +223,14 @@ class OutputPacker:
             output_id = job[0]
             try:
                 self._finish(*job)
+            except BaseException:
+                # Not a packing error (those become error outputs): the thread itself ends
+                # here, with outputs that will never come.  ``alive`` turns False, so the
+                # worker's liveness fails its group; say why once, here.
+                log.critical(
+                    "%s: the packer thread died packing %s", self.name, output_id, exc_info=True
+                )
+                return
             finally:
                 del job  # drop the output (device memory) before waiting for the next one
                 with self._state:
@@ -243,3 +262,5 @@ class OutputPacker:
             self.send(message)
         except Exception:
             log.exception("%s: could not send OUTPUT_READY for %s", self.name, output_id)
+            with self._state:
+                self._send_failed = True

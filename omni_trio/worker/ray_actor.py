@@ -2,26 +2,26 @@
 
 :class:`RayWorker` is a plain class; the executor turns it into an actor class with
 ``ray.remote`` when a Ray engine starts, so importing this module never imports Ray (or
-torch: the model is loaded by :meth:`RayWorker.start`).
+torch: the model is loaded by :meth:`RayWorker.start`).  It puts Ray's actor calls around
+one :class:`~omni_trio.worker.host.WorkerHost`, which says what each message does; the
+messages are the typed ones of :mod:`omni_trio._core.messages` (Ray pickles them).
 
 The actor has two concurrency groups:
 
 - the default group runs one call at a time, in order, in the actor's single executor
-  thread: :meth:`start`, :meth:`call` (every worker RPC, forwards included) and
-  :meth:`shutdown`;
+  thread: :meth:`rendezvous_address`, :meth:`start`, :meth:`call` (every
+  :class:`~omni_trio._core.messages.WorkerCall`, forwards included; its return value is the
+  rank's one reply) and :meth:`shutdown`;
 - ``"control"`` (:data:`CONTROL_GROUP`) runs beside it, so a control call is never stuck
-  behind a forward: :meth:`abort` and :meth:`stop_everything` set the stop flags the running
-  forward checks at its next step, :meth:`heartbeat` reports the steps run so far and the
-  progress of running requests (progress-aware liveness), and :meth:`watch` never returns
-  while the actor lives (the executor learns of the actor's death, idle or busy, from that
-  call failing with ``ActorDiedError``).
+  behind a forward: :meth:`abort` sets the stop flags the running forward checks at its
+  next step, :meth:`poll` long-polls what the rank volunteers (the output packer's
+  ``OUTPUT_READY`` messages, then a fresh heartbeat), and :meth:`watch` never returns while
+  the actor lives (the executor learns of the actor's death, idle or busy, from that call
+  failing with ``ActorDiedError``).
 
-A call never raises for the worker's own errors: it returns a reply dict, ``{"rank",
-"steps", "ok", "result" | "error", "error_type", "traceback"}``, the same shape the tractor
-backend uses, and only the output rank ships its result.  A call that raises
-:class:`~omni_trio.worker.faults.WorkerFatalError` gets no reply: the actor process ends
-with :data:`~omni_trio.worker.faults.EXIT_CODE`, so the executor sees a dead actor, as for
-any crash.  Results leave the actor on the CPU (Ray ships them through its object store).
+A call that raises :class:`~omni_trio.worker.faults.WorkerFatalError` gets a ``fatal``
+reply (see :mod:`omni_trio.worker.host`).  Everything leaves the actor on the CPU
+(:func:`to_cpu`; Ray ships it through its object store).
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any
 
-from .faults import EXIT_CODE, WorkerFatalError, mark_worker_process
-from .replies import failure_fields
+from .faults import mark_worker_process
 
 __all__ = ["CONTROL_GROUP", "CONTROL_CONCURRENCY", "RayWorker", "to_cpu"]
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "control"
-# abort / stop_everything / heartbeat, plus the one watch call that parks a thread for good.
-CONTROL_CONCURRENCY = 4
+# abort and stop calls, the one long poll, and the one watch call that parks a thread.
+CONTROL_CONCURRENCY = 6
 
 
 def to_cpu(value: Any) -> Any:
@@ -86,9 +86,11 @@ class RayWorker:
         self.config = EngineConfig.from_dict(config)
         self.rank = rank
         self.world_size = world_size
-        self._worker: Any = None
-        self._stopped = threading.Event()
-        self._dist_socket: socket.socket | None = None
+        self._host: Any = None  # a WorkerHost once started
+        # What the rank volunteers (OUTPUT_READY), until the executor's next poll.
+        self._outbox: list[Any] = []
+        self._outbox_ready = threading.Condition()
+        self._never = threading.Event()
 
     # -- default group: one call at a time --------------------------------------------
 
@@ -105,10 +107,11 @@ class RayWorker:
         return f"tcp://{host}:{port}"
 
     def start(self, dist_init_method: str | None = None) -> dict[str, Any]:
-        """Select the device, join the CFG group (two ranks), load the model; report the
-        pid, rank, node address and model info."""
+        """Select the device, join the CFG group (two ranks), load the model, start the
+        output packer; report the pid, node address and model info."""
         import ray
 
+        from .host import WorkerHost
         from .worker import Worker
 
         worker = Worker(
@@ -117,76 +120,69 @@ class RayWorker:
             world_size=self.world_size,
             dist_init_method=dist_init_method,
         )
-        self._worker = worker
-        worker.init_device()
-        info = worker.load_model()
+        host = WorkerHost(worker, self._post)
+        self._host = host
+        info = host.start()
         return {
             "pid": os.getpid(),
-            "rank": self.rank,
             "node_ip": ray.util.get_node_ip_address(),
             "model_info": asdict(info),
         }
 
-    def call(
-        self,
-        method: str,
-        args: Iterable[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-        reply_rank: int | None = 0,
-    ) -> dict[str, Any]:
-        """Run one worker method; a reply dict (never raises for the method's own error)."""
-        worker = self._worker
-        reply: dict[str, Any] = {"rank": self.rank}
-        try:
-            if worker is None:
-                raise RuntimeError("the worker is not started")
-            result = worker.execute_method(method, *args, **dict(kwargs or {}))
-            if reply_rank in (None, self.rank):
-                reply.update(ok=True, result=to_cpu(result))
-            else:
-                reply.update(ok=True, result=None)
-        except WorkerFatalError:
-            log.critical("worker %d: fatal error in %r; ending the process", self.rank, method)
-            os._exit(EXIT_CODE)
-        except Exception as exc:
-            reply.update(failure_fields(exc))
-        reply["steps"] = worker.steps_done if worker is not None else 0
-        return reply
+    def call(self, call: Any) -> Any:
+        """Run one :class:`~omni_trio._core.messages.WorkerCall`; its reply."""
+        from .host import failure_reply
+
+        host = self._host
+        if host is None:
+            return failure_reply(
+                call, RuntimeError("the worker is not started"), rank=self.rank, steps=0
+            )
+        return to_cpu(host.call(call))
 
     def shutdown(self) -> bool:
-        """Shut the worker down (packer, runner, CFG group); ends :meth:`watch`."""
-        worker, self._worker = self._worker, None
-        try:
-            if worker is not None:
-                worker.stop_flags.stop_everything()
-                worker.shutdown()
-        finally:
-            self._stopped.set()
+        """Stop every forward and shut the worker down (packer, runner, CFG group)."""
+        host, self._host = self._host, None
+        if host is not None:
+            host.shutdown()
         return True
 
     # -- control group: never behind a forward ----------------------------------------
 
-    def abort(self, request_ids: list[str]) -> None:
-        worker = self._worker
-        if worker is not None:
-            worker.stop_flags.abort(request_ids)
+    def _post(self, message: Any) -> None:
+        """An ``OUTPUT_READY`` from the packer's thread: queued for the next poll."""
+        message = to_cpu(message)
+        with self._outbox_ready:
+            self._outbox.append(message)
+            self._outbox_ready.notify_all()
 
-    def stop_everything(self) -> None:
-        worker = self._worker
-        if worker is not None:
-            worker.stop_flags.stop_everything()
+    def abort(self, abort: Any) -> None:
+        """Apply a :class:`~omni_trio._core.messages.WorkerAbort` now."""
+        host = self._host
+        if host is not None:
+            host.abort(abort)
 
-    def heartbeat(self) -> dict[str, Any]:
-        worker = self._worker
-        if worker is None:
-            return {"rank": self.rank, "steps": 0, "progress": {}}
-        return {
-            "rank": self.rank,
-            "steps": worker.steps_done,
-            "progress": {k: tuple(v) for k, v in dict(worker.progress).items()},
-        }
+    def poll(self, timeout: float) -> list[Any]:
+        """What the rank volunteered since the last poll, then a fresh
+        :class:`~omni_trio._core.messages.Heartbeat`: waits until there is something, or a
+        heartbeat is due (:meth:`~omni_trio.worker.host.WorkerHost.heartbeat_due`), at most
+        ``timeout`` seconds."""
+        from .._core.messages import Heartbeat
+        from .host import HEARTBEAT_CHECK_S
 
-    def watch(self) -> int:
-        """Returns only when the worker was shut down; fails when the actor dies."""
-        self._stopped.wait()
-        return os.getpid()
+        deadline = time.monotonic() + timeout
+        with self._outbox_ready:
+            while not self._outbox:
+                now = time.monotonic()
+                host = self._host
+                if now >= deadline or (host is not None and host.heartbeat_due(now)):
+                    break
+                self._outbox_ready.wait(min(HEARTBEAT_CHECK_S, deadline - now))
+            messages, self._outbox = self._outbox, []
+        host = self._host
+        messages.append(host.heartbeat() if host is not None else Heartbeat(self.rank, 0))
+        return messages
+
+    def watch(self) -> None:
+        """Never returns: fails (``ActorDiedError``) when the actor dies."""
+        self._never.wait()

@@ -33,6 +33,7 @@ from .._core.request import DiffusionRequest
 from ..config import EngineConfig
 from ..errors import InvalidConfigError
 from .cfg_parallel import CollectiveError
+from .device import check_device
 from .faults import FaultInjector, FaultPlan, WorkerFatalError, split_fault_options
 from .stop_flags import ForwardStopped, StopFlags
 
@@ -43,7 +44,12 @@ if TYPE_CHECKING:
     from .cfg_parallel import CfgParallel
     from .step_runner import StepRunner
 
-__all__ = ["ForwardedBatch", "ModelRunner", "StepProgress", "convert_output"]
+__all__ = [
+    "ForwardedBatch",
+    "ModelRunner",
+    "StepProgress",
+    "convert_output",
+]
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +301,8 @@ class ModelRunner:
             return _all(ids, aborted=True), ForwardedBatch()
         except (CollectiveError, WorkerFatalError):
             raise  # this worker is broken (e.g. its CFG-parallel group), not the requests
-        except Exception as exc:  # a request failure, not a runner failure
+        except Exception as exc:  # a request failure, not a runner failure ...
+            check_device(self.device, self.faults, exc)  # ... unless the device broke
             log.debug("forward of %s failed", ids, exc_info=True)
             return BatchRunnerOutput.from_list(
                 [RunnerOutput.from_exception(rid, exc) for rid in ids]

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from ..config import EngineConfig
 from .cfg_parallel import CollectiveError
+from .device import check_device
 from .faults import FaultInjector, FaultPlan, WorkerFatalError
 from .stop_flags import StopFlags
 
@@ -221,6 +222,7 @@ class StepRunner:
             except WorkerFatalError:
                 raise
             except Exception as exc:
+                check_device(self.device, self.faults, exc)  # a broken device ends the worker
                 log.debug("step of %s failed", rid, exc_info=True)
                 outputs[rid] = RunnerOutput.from_exception(rid, exc, step_index=state.step_index)
                 self.evict((rid,))

@@ -9,22 +9,21 @@ Every worker ends the moment the engine process dies (:func:`watch_parent_proces
 early as the start method allows: at import in a ``trio`` worker, by an after-fork hook in a
 ``forkserver`` worker, and in any case by ``serve_worker(engine_pid=...)``.
 
-Protocol over one persistent ``open_context`` stream (bytes encoded by ``omni_trio.ipc``):
+Over one persistent ``open_context`` stream, each direction carries the typed messages of
+:mod:`omni_trio._core.messages`, encoded to bytes by :mod:`omni_trio.ipc`, around one
+:class:`~omni_trio.worker.host.WorkerHost` (which says what each message does):
 
-- executor -> worker: ``{"op": "call", "id", "method", "args", "kwargs"}`` runs a worker
-  method in the worker's own thread (calls run one at a time, in order);
-  ``{"op": "abort", "ids"}`` sets stop flags at once, even while a forward runs.
-- worker -> executor: ``{"op": "reply", "id", "rank", "steps", "ok", "result" | "error",
-  "error_type", "traceback"}`` for every call (ranks other than the output rank reply
-  with ``result=None``); ``{"op": "heartbeat", "rank", "steps", "progress"}`` every second.
-  ``steps`` counts the denoising steps this worker has run so far (progress-aware
-  liveness); a reply carries the count as of the end of its call, so it is exact for every
-  call that returned before it.
+- executor -> worker: :class:`~omni_trio._core.messages.WorkerCall` (run in the worker's own
+  thread, one at a time, in order) and :class:`~omni_trio._core.messages.WorkerAbort` (at
+  once, even while a forward runs);
+- worker -> executor: one :class:`~omni_trio._core.messages.AsyncOutput` reply per call,
+  the output packer's ``OUTPUT_READY`` messages, and a
+  :class:`~omni_trio._core.messages.Heartbeat` whenever
+  :meth:`~omni_trio.worker.host.WorkerHost.heartbeat_due` says.
 
-A call that raises :class:`~omni_trio.worker.faults.WorkerFatalError` gets no reply: the
-worker process ends with :data:`~omni_trio.worker.faults.EXIT_CODE`, so the executor sees a
-dead worker, as for any crash (injected crash faults end the process themselves, see
-:mod:`omni_trio.worker.faults`).
+A call that raises :class:`~omni_trio.worker.faults.WorkerFatalError` gets a ``fatal``
+reply (see :mod:`omni_trio.worker.host`); injected crash faults end the process themselves
+(see :mod:`omni_trio.worker.faults`).
 """
 
 from __future__ import annotations
@@ -35,21 +34,20 @@ import os
 import select
 import sys
 import threading
+import time
 from multiprocessing import util as multiprocessing_util
 from typing import Any
 
 import tractor
 import trio
 
-from .faults import EXIT_CODE, WorkerFatalError, mark_worker_process
-from .replies import failure_fields
+from .faults import mark_worker_process
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "WORKER_MODULE", "watch_parent_process", "serve_worker"]
+__all__ = ["WORKER_MODULE", "watch_parent_process", "serve_worker"]
 
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = __name__
-HEARTBEAT_INTERVAL_S = 1.0
 
 
 # The engine process this worker watches (see :func:`watch_parent_process`), once armed.
@@ -161,20 +159,21 @@ async def serve_worker(
     shm_tag: str = "",
     engine_pid: int | None = None,
 ) -> None:
-    """Load the model, report ready (pid, rank, model info), then serve calls until the
-    stream ends or the context is cancelled; the worker is shut down on the way out.
+    """Load the model, report ready (pid and model info), then serve the executor's
+    messages until the stream ends or the context is cancelled; the worker is shut down on
+    the way out (its forwards stopped at their next step, at most ``close_timeout_s``).
 
     Shared-memory segments this worker creates are named with ``shm_tag``, so the executor
     can sweep them if the worker dies before their receiver unlinked them.  ``engine_pid``
     is the engine's process: this worker ends when it dies (None: the OS parent, right only
     for tractor's ``trio`` start method).
     """
-    import functools
     from dataclasses import asdict
 
-    from .._core.messages import AsyncOutput, AsyncOutputKind
+    from .._core.messages import AsyncOutput, WorkerAbort, WorkerCall
     from ..config import EngineConfig
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
+    from .host import HEARTBEAT_CHECK_S, WorkerHost
     from .worker import Worker
     from .worker_thread import WorkerThread
 
@@ -182,46 +181,40 @@ async def serve_worker(
     watch_parent_process(engine_pid)
     mark_worker_process()  # injected crash faults end this process, not just a call
     engine_config = EngineConfig.from_dict(config)
+    registry = SegmentRegistry(shm_tag)
+    # One encoder per thread that encodes: this trio thread and the output packer's.
+    encoder = Encoder(registry=registry)
+    packer_encoder = Encoder(registry=registry)
+    outbox, outgoing = trio.open_memory_channel[bytes](math.inf)
+    token = trio.lowlevel.current_trio_token()
+
+    def post(data: bytes) -> None:
+        """Queue encoded bytes for the writer task (trio thread).  Bytes that can no longer
+        be sent have their shared memory unlinked."""
+        try:
+            outbox.send_nowait(data)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            discard_message(data, registry=registry)
+
+    def post_output(message: AsyncOutput) -> None:
+        """An ``OUTPUT_READY``, from the packer's thread.  Raises if it cannot be queued
+        (the packer then reports itself dead: the group fails at once)."""
+        data = packer_encoder.encode(message)
+        try:
+            token.run_sync_soon(post, data)
+        except trio.RunFinishedError:
+            discard_message(data, registry=registry)
+            raise
+
     thread = WorkerThread(f"omni-trio-worker-{rank}", stall_timeout_s=engine_config.close_timeout_s)
     thread.start()
     worker = Worker(
         engine_config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
     )
+    host = WorkerHost(worker, post_output)
     try:
-        await thread.run(worker.init_device)
-        info = await thread.run(worker.load_model)
-        registry = SegmentRegistry(shm_tag)
-        # One encoder per thread that encodes: this trio thread and the output packer's.
-        encoder = Encoder(registry=registry)
-        packer_encoder = Encoder(registry=registry)
-        outbox, outgoing = trio.open_memory_channel[bytes](math.inf)
-        token = trio.lowlevel.current_trio_token()
-
-        def post(data: bytes) -> None:
-            """Queue encoded bytes for the writer task; from any thread.  Bytes that can no
-            longer be sent have their shared memory unlinked."""
-            try:
-                outbox.send_nowait(data)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                discard_message(data, registry=registry)
-
-        def post_output(message: AsyncOutput) -> None:
-            # Called in the packer thread.  The call's own reply is this backend's
-            # COMPUTE_DONE, so only OUTPUT_READY travels.
-            if message.kind is not AsyncOutputKind.OUTPUT_READY:
-                return
-            data = packer_encoder.encode({"op": "async", "message": message})
-            try:
-                token.run_sync_soon(post, data)
-            except trio.RunFinishedError:
-                discard_message(data, registry=registry)
-
-        if engine_config.async_output and not engine_config.step_execution:
-            await thread.run(functools.partial(worker.start_output_packer, post_output))
-        await ctx.started({"pid": os.getpid(), "rank": rank, "model_info": asdict(info)})
-
-        async def send(stream: Any, message: dict[str, Any]) -> None:
-            post(encoder.encode(message))
+        info = await thread.run(host.start)
+        await ctx.started({"pid": os.getpid(), "model_info": asdict(info)})
 
         async def write(stream: Any) -> None:
             try:
@@ -237,69 +230,42 @@ async def serve_worker(
                     except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                         break
 
-        async def run_call(stream: Any, message: dict[str, Any]) -> None:
-            reply: dict[str, Any] = {"op": "reply", "id": message["id"], "rank": rank}
-            reply_rank = message.get("reply_rank", 0)
-            try:
-                # Cancelled only when this worker is being shut down (the executor closed, or
-                # the group failed): stop the forward at its next step instead of running it
-                # to the end while the shutdown waits behind it.
-                result = await thread.run(
-                    lambda: worker.execute_method(
-                        message["method"], *message.get("args", ()), **message.get("kwargs", {})
-                    ),
-                    on_cancel=worker.stop_flags.stop_everything,
-                )
-                # Only the output rank ships its result; the others just say they are done.
-                reply.update(ok=True, result=result if reply_rank in (None, rank) else None)
-            except WorkerFatalError:
-                # The worker itself is broken: die like a crashed worker instead of
-                # answering, so the executor fails closed through its dead-worker path.
-                log.critical(
-                    "worker %d: fatal error in %r; ending the process",
-                    rank,
-                    message["method"],
-                    exc_info=True,
-                )
-                os._exit(EXIT_CODE)
-            except Exception as exc:
-                reply.update(failure_fields(exc))
-            reply["steps"] = worker.steps_done
-            await send(stream, reply)
+        async def run_call(call: WorkerCall) -> None:
+            # Cancelled only when this worker is being shut down (the executor closed):
+            # stop the forward at its next step instead of running it to the end while
+            # the shutdown waits behind it.
+            reply = await thread.run(
+                lambda: host.call(call), on_cancel=worker.stop_flags.stop_everything
+            )
+            post(encoder.encode(reply))
 
-        async def heartbeat(stream: Any) -> None:
+        async def heartbeat() -> None:
             while True:
-                beat = {
-                    "op": "heartbeat",
-                    "rank": rank,
-                    "steps": worker.steps_done,
-                    "progress": {k: list(v) for k, v in worker.progress.items()},
-                }
-                await send(stream, beat)
-                await trio.sleep(HEARTBEAT_INTERVAL_S)
+                now = time.monotonic()
+                if host.heartbeat_due(now):
+                    post(encoder.encode(host.heartbeat(now)))
+                await trio.sleep(HEARTBEAT_CHECK_S)
 
         async with ctx.open_stream() as stream, trio.open_nursery() as nursery:
             nursery.start_soon(write, stream)
-            nursery.start_soon(heartbeat, stream)
+            nursery.start_soon(heartbeat)
             async for raw in stream:
                 message = decode(raw)
-                op = message.get("op")
-                if op == "abort":
-                    worker.stop_flags.abort(message["ids"])
-                elif op == "call":
-                    nursery.start_soon(run_call, stream, message)
-                elif op == "shutdown":
-                    break
+                if isinstance(message, WorkerAbort):
+                    host.abort(message)
+                elif isinstance(message, WorkerCall):
+                    nursery.start_soon(run_call, message)
+                else:
+                    log.error("worker %d: unexpected message %r", rank, type(message).__name__)
             nursery.cancel_scope.cancel()
     finally:
-        if "outbox" in locals():
-            outbox.close()
+        outbox.close()
         with trio.CancelScope(shield=True):
             worker.stop_flags.stop_everything()
             if thread.alive:
                 with trio.move_on_after(engine_config.close_timeout_s):
                     try:
-                        await thread.run(worker.shutdown, abandon_on_cancel=True)
+                        await thread.run(host.shutdown, abandon_on_cancel=True)
                     except Exception:
                         log.exception("worker %d shutdown failed", rank)
             await thread.stop()

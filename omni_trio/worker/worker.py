@@ -238,6 +238,8 @@ class Worker:
         runner = self._runner()
 
         def pack(forwarded: ForwardedBatch) -> BatchRunnerOutput:
+            if forwarded.faults:  # KILL_PACKER: this thread dies here
+                forwarded.faults.in_packer(forwarded.request_ids)
             packed = runner.pack_outputs(forwarded)
             if forwarded.faults:  # DELAY_OUTPUT_READY: after packing, before OUTPUT_READY
                 for rid in forwarded.request_ids:
@@ -291,6 +293,11 @@ class Worker:
         if faults:
             faults.after_forward(forwarded.request_ids)
         return BatchRunnerOutput({**done.outputs, **pending})
+
+    @property
+    def packer_alive(self) -> bool:
+        """No output packer, or one that can still deliver (liveness)."""
+        return self.packer is None or self.packer.alive
 
     def drain_outputs(self, timeout: float | None = 10.0) -> bool:
         """Wait (bounded) until every pending output is packed; before memory-releasing calls."""

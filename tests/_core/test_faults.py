@@ -51,7 +51,7 @@ def test_parse_every_kind_and_round_trip() -> None:
 
 
 def test_every_kind_is_classified() -> None:
-    takes_nothing = {Fault.FAIL_PACKING, Fault.FAIL_WARMUP}
+    takes_nothing = {Fault.FAIL_PACKING, Fault.KILL_PACKER, Fault.FAIL_WARMUP}
     assert set(Fault) == STEP_FAULTS | DELAY_FAULTS | takes_nothing
     assert not STEP_FAULTS & DELAY_FAULTS
 

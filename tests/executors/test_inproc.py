@@ -26,8 +26,10 @@ from omni_trio.executors import inproc
 from omni_trio.executors.base import open_executor
 from omni_trio.executors.inproc import InprocExecutor
 from omni_trio.models.echo import decode_echo_image
+from omni_trio.worker.faults import DeviceFaultError, Fault, FaultSpec
 from omni_trio.worker.worker import Worker
 from tests.fakes import GATE_S, BlockingModel, GatedEchoModel, StepGate, register_models
+from tests.worker.test_faults import request as fault_request
 
 CAP_S = 20.0
 WORKER_THREAD = "omni-trio-worker-0"
@@ -178,7 +180,7 @@ async def test_collective_rpc_boxes_a_worker_error(echo_executor: InprocExecutor
     assert not echo_executor.is_dead
 
 
-async def test_collective_rpc_timeout_raises_stall_error(
+async def test_collective_rpc_timeout_fails_the_executor_closed(
     monkeypatch: pytest.MonkeyPatch, cache_dir: Path
 ) -> None:
     release = threading.Event()
@@ -195,11 +197,14 @@ async def test_collective_rpc_timeout_raises_stall_error(
                 with pytest.raises(StallError) as info:
                     await executor.collective_rpc("ping", timeout=0.05)
                 assert info.value.phase == "rpc"
-                assert "ping" in str(info.value)
+                assert "'ping' got no reply within 0.05 s" in str(info.value)
+                # The worker runs one call at a time: every later call would queue behind
+                # the stuck one, so the executor failed closed (its supervisor replaces it).
+                assert executor.is_dead and executor.dead_reason is info.value
+                with pytest.raises(EngineDeadError, match="got no reply"):
+                    await executor.collective_rpc("ping")
             finally:
                 release.set()
-            # The abandoned RPC finished in the worker thread; the next call queues behind it.
-            assert (await executor.collective_rpc("ping"))["loaded"] is True
 
 
 async def test_a_failing_worker_marks_the_executor_dead(
@@ -367,3 +372,46 @@ async def test_aclose_is_bounded_when_a_forward_hangs(
             assert executor.is_dead
             assert isinstance(executor.dead_reason, StallError)
             models[0].release.set()  # let the hung thread finish so nothing leaks
+
+
+# -- the group's rules, in process ----------------------------------------------------------
+
+
+async def test_a_forward_with_no_step_progress_fails_the_executor_closed(
+    cache_dir: Path,
+) -> None:
+    """The same liveness tracker as the process backends: a forward stuck at a step (an
+    injected hang) fails the executor with StallError("forward"), and the wait ends."""
+    hang = fault_request("hung", FaultSpec(Fault.HANG_AT_STEP, step=1))
+    cfg = config(cache_dir, fault_injection=True, worker_stall_timeout_s=0.3)
+    with trio.fail_after(CAP_S):
+        async with open_executor(cfg) as executor:
+            with pytest.raises(EngineDeadError, match="no step progress"):
+                await executor.execute_batch(wave(hang))
+            reason = executor.dead_reason
+            assert isinstance(reason, StallError) and reason.phase == "forward"
+
+
+async def test_a_dead_output_packer_fails_the_executor_at_once(cache_dir: Path) -> None:
+    doomed = fault_request("doomed", FaultSpec(Fault.KILL_PACKER))
+    cfg = config(cache_dir, fault_injection=True, async_output=True)
+    with trio.fail_after(CAP_S):
+        async with open_executor(cfg) as executor:
+            result = await executor.execute_batch(wave(doomed))
+            key = result.outputs["doomed"].async_output_id
+            assert key is not None
+            reason = await executor.wait_failed()  # no 600 s output timeout
+            assert isinstance(reason, WorkerError) and reason.error_type == "PackerDied"
+            with pytest.raises(WorkerError, match="PackerDied"):
+                await executor.wait_output(key)
+
+
+async def test_a_broken_device_fails_the_executor_closed(cache_dir: Path) -> None:
+    poisoned = fault_request("poisoned", FaultSpec(Fault.POISON_DEVICE, step=1))
+    cfg = config(cache_dir, fault_injection=True)
+    with trio.fail_after(CAP_S):
+        async with open_executor(cfg) as executor:
+            with pytest.raises(EngineDeadError, match="DeviceFaultError") as info:
+                await executor.execute_batch(wave(poisoned))
+            assert "failed its probe" in str(info.value)
+            assert isinstance(executor.dead_reason, DeviceFaultError)

@@ -269,7 +269,7 @@ async def test_shutdown_leaves_no_actor_placement_group_or_process(
             assert group_state(ray_cluster, group) == "CREATED"
             assert len(group.bundle_specs) == 2
             assert all(spec == {"CPU": 1.0} for spec in group.bundle_specs)
-            names = {f"omni-trio-worker-{rank}-{executor._tag}" for rank in range(2)}
+            names = {f"omni-trio-worker-{rank}-{executor.transport._tag}" for rank in range(2)}
             assert actor_states(ray_cluster, names) == ["ALIVE", "ALIVE"]
             pids = executor.worker_pids()
         await executor.aclose()  # idempotent
@@ -376,7 +376,7 @@ async def test_an_actor_sigkilled_mid_forward_is_replaced_and_its_request_rerun(
     assert np.array_equal(np.asarray(final.images[0]), np.asarray(undisturbed.images[0]))
     assert health.restarts == 1 and health.state == "ready"
     assert health.last_failure is not None
-    assert "WorkerDied" in health.last_failure and f"pid {old_pid}" in health.last_failure
+    assert "WorkerDied" in health.last_failure and f"process {old_pid}" in health.last_failure
     assert new_pid != old_pid and not _exists(old_pid)
 
 
@@ -419,7 +419,7 @@ async def test_with_no_retry_left_a_killed_forward_ends_with_a_retryable_error(
             out = await engine.generate("p", params(seed=3), request_id="next")
     [error] = errors
     assert error.error_type == "WorkerFailedError" and error.retryable
-    assert f"pid {pid}" in str(error)
+    assert f"process {pid} died" in str(error)
     assert out.ok
 
 

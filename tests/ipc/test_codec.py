@@ -23,10 +23,13 @@ from omni_trio._core.messages import (
     AsyncOutputKind,
     BatchRunnerOutput,
     DiffusionOutput,
+    Heartbeat,
     NewRequestData,
     RequestMetrics,
     RunnerOutput,
     SchedulerOutput,
+    WorkerAbort,
+    WorkerCall,
 )
 from omni_trio._core.request import DiffusionRequest, SamplingParams
 from omni_trio.ipc import (
@@ -121,6 +124,22 @@ PLAIN_MESSAGES = [
     AsyncOutput(AsyncOutputKind.COMPUTE_DONE, rpc_id="rpc-1", async_output_id="out-1"),
     AsyncOutput(AsyncOutputKind.RPC_RESULT, rpc_id="rpc-2", result={"loras": ["a", "b"]}),
     AsyncOutput(AsyncOutputKind.RPC_RESULT, rpc_id="rpc-3", error="no", error_type="KeyError"),
+    # The process-group wire protocol: a call, an abort, a reply, a heartbeat.
+    WorkerCall("g-1", "execute_scheduler_output", (SchedulerOutput(step_id=1),), {"rpc_id": "g-1"}),
+    WorkerCall("g-2", "describe", reply_rank=None),
+    WorkerAbort(("r1", "r2")),
+    WorkerAbort(everything=True),
+    AsyncOutput(
+        AsyncOutputKind.RPC_RESULT,
+        rpc_id="g-3",
+        error="device broke",
+        error_type="DeviceFaultError",
+        traceback="Traceback ...",
+        rank=1,
+        steps=40,
+        fatal=True,
+    ),
+    Heartbeat(rank=0, steps=12, progress={"r1": (3, 20)}, packer_alive=False),
     RequestMetrics(1.0, 2.0, 3.0, 6.5),
     *RequestStatus,
     *AsyncOutputKind,
@@ -134,12 +153,15 @@ def test_every_message_type_is_registered() -> None:
         BatchRunnerOutput,
         DiffusionOutput,
         DiffusionRequest,
+        Heartbeat,
         NewRequestData,
         RequestMetrics,
         RequestStatus,
         RunnerOutput,
         SamplingParams,
         SchedulerOutput,
+        WorkerAbort,
+        WorkerCall,
     }
 
 

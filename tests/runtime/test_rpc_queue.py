@@ -55,6 +55,31 @@ async def test_a_caller_that_timed_out_is_skipped(
     assert executor.log == []
 
 
+async def test_a_caller_whose_rpc_runs_past_its_timeout_gets_the_executors_answer(
+    executor: ScriptedExecutor, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The executor bounds a running RPC by the same timeout (and fails its group when it
+    passes): the caller gets that verdict, not a second one of its own."""
+    queue = RpcQueue(on_queued=lambda: None)
+    errors: list[StallError] = []
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+
+            async def call() -> None:
+                with pytest.raises(StallError) as info:
+                    await queue.call("sleep", (10.0,), {}, timeout=2.0, unique_reply_rank=0)
+                errors.append(info.value)
+
+            started = trio.current_time()
+            nursery.start_soon(call)
+            await trio.sleep(1.0)  # queued for a second, then it runs
+            await queue.run_pending(executor)
+    (error,) = errors
+    assert str(error) == "rpc stalled: RPC 'sleep' did not finish within 2.0 s"  # the fake's
+    assert trio.current_time() - started == 3.0
+    assert executor.log[0][2] == ("sleep",)
+
+
 async def test_fail_all_answers_every_queued_caller(executor: ScriptedExecutor) -> None:
     queue = RpcQueue(on_queued=lambda: None)
     errors: list[BaseException] = []

@@ -35,6 +35,7 @@ from omni_trio.worker.faults import (
     EXIT_CODE,
     STEP_FAULTS,
     WARMUP_REQUEST_ID,
+    DeviceFaultInjected,
     Fault,
     FaultInjectedError,
     FaultInjector,
@@ -220,10 +221,16 @@ def test_step_faults_fire_exactly_at_their_step(kind: Fault) -> None:
     plan.before_pack("r")
     plan.after_pack("r")
     plan.after_forward(["r"])
-    expected = FaultInjectedError if kind is Fault.RAISE_AT_STEP else WorkerCrashInjected
+    expected: type[Exception] = {
+        Fault.RAISE_AT_STEP: FaultInjectedError,
+        Fault.POISON_DEVICE: DeviceFaultInjected,
+    }.get(kind, WorkerCrashInjected)
+    assert not injector.device_poisoned
     with pytest.raises(expected, match=f"{kind.value} at step 2 for request 'r'") as info:
         plan.on_step("r", 2, STEPS)
-    assert info.value.step == 2 and info.value.kind is kind and info.value.request_id == "r"
+    error: Any = info.value
+    assert error.step == 2 and error.kind is kind and error.request_id == "r"
+    assert injector.device_poisoned is (kind is Fault.POISON_DEVICE)
     plan.on_step("r", 3, STEPS)  # later steps do not fire again
 
 

@@ -299,6 +299,37 @@ def test_a_failing_output_ready_send_is_logged_and_not_pending(
         assert packer.close(CAP_S)
     assert [m.kind for m in sent] == [COMPUTE_DONE]
     assert "could not send OUTPUT_READY" in caplog.text
+    # Outputs after it may never come: the packer says it is no longer alive (liveness).
+    assert not packer.alive
+
+
+class _ThreadKilled(BaseException):
+    """A FAKE end of the packer's thread (not a packing error)."""
+
+
+def test_a_packer_thread_that_dies_is_not_alive_and_says_why(
+    make_packer: Callable[..., OutputPacker], replies: Replies, caplog: pytest.LogCaptureFixture
+) -> None:
+    def die(output: BatchRunnerOutput) -> Any:
+        raise _ThreadKilled
+
+    packer = make_packer(die)
+    assert packer.alive  # no thread yet
+    packer.submit("rpc-1", batch("a"))
+    assert packer.drain(CAP_S)  # the job is not pending any more
+    thread = packer._thread
+    assert thread is not None
+    thread.join(CAP_S)
+    assert not packer.alive
+    assert replies.kinds()[0][0] is COMPUTE_DONE and len(replies.kinds()) == 1
+    assert "the packer thread died packing" in caplog.text
+
+
+def test_a_closed_packer_is_still_alive(make_packer: Callable[..., OutputPacker]) -> None:
+    packer = make_packer()
+    packer.submit("rpc-1", batch("a"))
+    assert packer.close(CAP_S)
+    assert packer.alive  # stopped when asked: nothing of it is lost
 
 
 def test_drain_from_the_packer_thread_is_refused(

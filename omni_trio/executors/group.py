@@ -1,0 +1,654 @@
+"""One executor for every process backend, over a :class:`Transport` seam.
+
+A :class:`GroupExecutor` owns everything a group of worker processes needs, whatever carries
+its messages: the call skeleton (one :class:`~omni_trio._core.messages.WorkerCall` to every
+rank, every rank's one reply, only the output rank's result shipped), one
+:class:`~omni_trio.executors.result_pump.ResultPump` per rank as the **only reader** of that
+rank's replies (``RPC_RESULT``, ``COMPUTE_DONE``, ``OUTPUT_READY``: correlated by id, in any
+order), one :class:`~omni_trio._core.liveness.LivenessTracker` for the group, fail-closed,
+teardown escalation, error boxing, statistics and ``aclose``.  The same rules hold on every
+backend:
+
+- a rank that exits, goes silent, stops making progress in a call, loses its output packer,
+  fails a call that must not fail (an execute call), or does not answer an RPC within its
+  timeout **fails the group closed**: every pending call and output fails at once and every
+  rank is **killed** (a failed group is never asked: a hung worker would not answer);
+- a normal close **asks** every rank to stop (each stops its forward at a step boundary and
+  shuts its worker down), waits at most ``close_timeout_s``, then kills what is left.
+
+A backend implements a :class:`Transport` only: open the group's environment, start a rank
+and hand on what it sends, send to a rank, kill a rank, wait for it to exit, ask ranks to
+stop (docs/backends.md has a worked example).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+import logging
+import math
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import trio
+from trio_typing import TaskStatus
+
+from .._core.health import WorkerState, WorkerStatus
+from .._core.liveness import LivenessTracker
+from .._core.messages import (
+    AsyncOutput,
+    AsyncOutputKind,
+    BatchRunnerOutput,
+    Heartbeat,
+    SchedulerOutput,
+    WorkerAbort,
+    WorkerCall,
+)
+from .._core.model_info import ModelInfo
+from ..config import EngineConfig
+from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
+from .base import Executor
+from .result_pump import ResultPump, register_async_outputs
+
+__all__ = [
+    "STARTED",
+    "Deliver",
+    "EXIT_GRACE_S",
+    "KILL_WAIT_S",
+    "TERMINATE_WAIT_S",
+    "RankInit",
+    "RankStarted",
+    "RankStatus",
+    "GroupExecutor",
+    "Transport",
+    "WireMessage",
+    "exit_status",
+    "wire_config",
+]
+
+log = logging.getLogger(__name__)
+
+# What a rank sends its executor, and where the transport hands it.
+WireMessage = AsyncOutput | Heartbeat
+Deliver = Callable[[WireMessage], None]
+# A close that asked in vain terminates, then waits this long before it kills.
+TERMINATE_WAIT_S = 3.0
+# After a kill: how long to wait for every rank's process to be gone.
+KILL_WAIT_S = 10.0
+# A rank's channel ended: how long its process may take to be seen gone (then the exit,
+# with its status, is the group's failure rather than the channel).
+EXIT_GRACE_S = 1.0
+
+
+def wire_config(config: EngineConfig) -> dict[str, Any]:
+    """The configuration a worker process runs with: the engine's, as a single in-process
+    worker (inside the worker there is no executor), its thread count resolved here."""
+    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    data["backend"] = "inproc"
+    data["num_workers"] = 1
+    data["torch_threads"] = config.resolved_torch_threads
+    data["model_options"] = dict(config.model_options)
+    return data
+
+
+def exit_status(code: int | None) -> str:
+    """A process's exit status in words (negative: killed by that signal)."""
+    import signal
+
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankInit:
+    """What a rank needs to start."""
+
+    rank: int
+    world_size: int
+    config: Mapping[str, Any]  # :func:`wire_config`
+    dist_init_method: str | None  # a CFG-parallel group's rendezvous (two ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class RankStarted:
+    """What a started rank (its model loaded) reports."""
+
+    pid: int | None
+    model_info: Mapping[str, Any]  # ModelInfo fields; rank 0's is the group's
+    node: str | None = None  # the host it runs on, where the backend knows it
+
+
+# ``serve_rank``'s start handshake: it reports the rank started.
+RankStatus = TaskStatus["RankStarted"]
+STARTED: Any = trio.TASK_STATUS_IGNORED
+
+
+class Transport(abc.ABC):
+    """How a :class:`GroupExecutor` reaches its ranks.
+
+    Everything runs on the engine's trio thread.  ``send`` and ``kill`` never block;
+    ``serve_rank`` lives as long as its rank; ``open`` holds whatever the ranks live in.
+    """
+
+    #: The rank's messages include a :class:`Heartbeat` at least every
+    #: ``HEARTBEAT_INTERVAL_S`` (so silence means a hang).
+    heartbeats: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def open(
+        self, config: EngineConfig, fail: Callable[[BaseException], None]
+    ) -> AbstractAsyncContextManager[None]:
+        """Enter what the ranks live in for the group's whole life (a process tree, a
+        cluster connection and placement).  ``fail(error)`` fails the group from outside
+        (a signal, the cluster going away).  On exit nothing of the group may be left; the
+        executor has stopped or killed every rank before."""
+
+    async def rendezvous(self) -> str:
+        """The torch.distributed rendezvous of a CFG-parallel group (``tcp://host:port``,
+        the same for every rank): by default a free port on loopback."""
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        return f"tcp://127.0.0.1:{port}"
+
+    @abc.abstractmethod
+    async def serve_rank(
+        self, init: RankInit, deliver: Deliver, *, task_status: RankStatus = STARTED
+    ) -> None:
+        """Start rank ``init.rank`` (its worker loads the model), report it started, then
+        hand every message it sends to ``deliver``, in order, until its channel ends
+        (return) or breaks (raise).  A startup failure raises: :class:`InvalidConfigError`
+        for a configuration the worker refused, :class:`WorkerError` otherwise.
+        Cancellation closes the rank's channel."""
+
+    @abc.abstractmethod
+    def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
+        """Queue ``message`` for ``rank``; never blocks.  A :class:`WorkerAbort` takes
+        effect even while a call runs there.  A rank that is gone drops it."""
+
+    @abc.abstractmethod
+    def kill(self, rank: int) -> None:
+        """End ``rank`` now (SIGKILL, or the cluster's equivalent); idempotent."""
+
+    def terminate(self, rank: int) -> None:
+        """Ask the OS to end ``rank`` (SIGTERM): the step between asking the worker and
+        killing it, for a close.  By default the same as :meth:`kill`."""
+        self.kill(rank)
+
+    @abc.abstractmethod
+    async def wait_exited(self, rank: int) -> int | None:
+        """Return once ``rank``'s process is gone, with its exit status if known
+        (negative: killed by that signal)."""
+
+    @abc.abstractmethod
+    async def stop(self, ranks: Sequence[int]) -> None:
+        """Ask ``ranks`` to stop (each stops its forward at a step boundary and shuts its
+        worker down).  The executor bounds the wait and kills what is left."""
+
+
+@dataclass(eq=False)
+class _Rank:
+    """The executor's side of one rank: its pump (the only reader of its replies, made
+    before the rank starts) and, once started, what it reported."""
+
+    rank: int
+    pump: ResultPump
+    started: RankStarted | None = None
+    exit_code: int | None = None
+    exited: bool = False
+    gone: trio.Event = field(default_factory=trio.Event)  # set once the process is gone
+    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.started.pid if self.started is not None else None
+
+
+class GroupExecutor(Executor):
+    """The executor of a group of worker processes behind a :class:`Transport`; a backend
+    subclasses it and implements :meth:`make_transport`.  See the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.transport = self.make_transport()
+        self._ranks: dict[int, _Rank] = {}
+        self._tracker = LivenessTracker(
+            ranks=config.num_workers,
+            heartbeat_timeout_s=config.worker_heartbeat_timeout_s
+            if self.transport.heartbeats
+            else None,
+            stall_timeout_s=config.worker_stall_timeout_s,
+        )
+        self._tag = secrets.token_hex(3)
+        self._ids = itertools.count(1)
+        self._group_scope: trio.CancelScope | None = None
+        self._serve_done = trio.Event()
+        self._closing = False
+
+    @abc.abstractmethod
+    def make_transport(self) -> Transport:
+        """This backend's transport."""
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: TaskStatus[Executor] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every rank (concurrently; the first startup failure is raised), report
+        ready, then run until closed or failed.  Teardown: a failed group is killed; a
+        closing one is asked to stop, for at most ``close_timeout_s``, then killed."""
+        config = self.config
+        n = config.num_workers
+        try:
+            async with self.transport.open(config, self._fail_group):
+                try:
+                    with trio.CancelScope() as group_scope:
+                        self._group_scope = group_scope
+                        async with trio.open_nursery() as ranks:
+                            dist = None
+                            if n > 1 and config.cfg_parallel:
+                                dist = await self.transport.rendezvous()
+                            await self._start_ranks(ranks, dist)
+                            first = self._ranks[0].started
+                            assert first is not None
+                            info = first.model_info
+                            self.model_info = ModelInfo(**info)
+                            self._tracker.start(trio.current_time())
+                            ranks.start_soon(self._monitor)
+                            for rank in self._ranks:
+                                ranks.start_soon(self._watch_exit, rank)
+                            task_status.started(self)
+                            await trio.sleep_forever()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._teardown()
+        finally:
+            self._closed = True
+            error = self._dead_reason or EngineClosedError("executor is closed")
+            for state in self._ranks.values():
+                state.pump.fail(error)
+            self._serve_done.set()
+
+    async def _start_ranks(self, ranks: trio.Nursery, dist: str | None) -> None:
+        n = self.config.num_workers
+        wire = wire_config(self.config)
+        errors: list[BaseException] = []
+
+        async def start(rank: int, starters: trio.Nursery) -> None:
+            try:
+                started = await ranks.start(self._serve_rank, RankInit(rank, n, wire, dist))
+                self._ranks[rank].started = started
+            except Exception as exc:
+                errors.append(exc)
+                starters.cancel_scope.cancel()
+
+        for rank in range(n):
+            self._ranks[rank] = _Rank(rank, ResultPump(worker=rank, on_discard=self._on_discard))
+        async with trio.open_nursery() as starters:
+            for rank in range(n):
+                starters.start_soon(start, rank, starters)
+        if errors:
+            raise errors[0]  # every rank usually fails the same way (a bad model)
+        self._pump = self._ranks[0].pump  # the output rank's: async outputs
+
+    async def _serve_rank(
+        self, init: RankInit, *, task_status: TaskStatus[RankStarted] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """One rank's life: its transport task.  A startup failure is raised; once started,
+        the rank's channel ending or breaking fails the group (unless it is closing)."""
+        rank = init.rank
+        running = False
+
+        async def run(*, task_status: TaskStatus[RankStarted] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await self.transport.serve_rank(
+                    init, lambda message: self._deliver(rank, message), task_status=task_status
+                )
+            except Exception as exc:
+                if not running:
+                    raise
+                reason = WorkerError(f"its channel broke: {exc!r}", worker=rank)
+            else:
+                reason = WorkerError("closed its channel", worker=rank)
+            if self._closing:
+                return
+            # A channel usually ends because its process did: then that is the failure
+            # (reported by the exit watch, with the exit status), on every backend alike.
+            with trio.move_on_after(EXIT_GRACE_S):
+                await self._ranks[rank].gone.wait()
+                return
+            self._fail_group(reason)
+
+        async with trio.open_nursery() as inner:
+            started = await inner.start(run)
+            running = True
+            task_status.started(started)
+
+    def _deliver(self, rank: int, message: WireMessage) -> None:
+        """Everything a rank sends comes here: liveness first, then its pump."""
+        now = trio.current_time()
+        state = self._ranks.get(rank)
+        if isinstance(message, Heartbeat):
+            self._tracker.heard(rank, now, steps=message.steps, packer_alive=message.packer_alive)
+            if state is not None:
+                state.progress = dict(message.progress)
+            return
+        self._tracker.heard(rank, now, steps=message.steps)
+        if state is None:  # pragma: no cover - not a rank of this group
+            self._on_discard(message.result)
+            return
+        state.pump.deliver(message)
+
+    def _on_discard(self, payload: Any) -> None:
+        """A payload nobody takes; backends whose payloads hold resources override this."""
+
+    async def _watch_exit(self, rank: int) -> None:
+        """Fail the group the moment a rank's process exits (while it should be running)."""
+        code = await self.transport.wait_exited(rank)
+        state = self._ranks[rank]
+        state.exited, state.exit_code = True, code
+        state.gone.set()
+        if self._closing:
+            return
+        pid = state.pid
+        self._fail_group(
+            WorkerError(
+                f"process {pid} died ({exit_status(code)})", worker=rank, error_type="WorkerDied"
+            )
+        )
+
+    async def _monitor(self) -> None:
+        """The group's liveness, every ``poll_s`` (one period for every backend)."""
+        tracker = self._tracker
+        while True:
+            await trio.sleep(tracker.poll_s)
+            verdict = tracker.check(trio.current_time())
+            if verdict is not None:
+                self._fail_group(verdict)
+                return
+
+    def _fail_group(self, error: BaseException) -> None:
+        """Fail closed: remember why, fail every pending call and output, kill every rank
+        (never ask a failed group: a hung worker would not answer)."""
+        if self._closing and self._dead_reason is None:
+            return
+        first = self._dead_reason is None
+        self.fail(error)
+        if not first:
+            return
+        log.warning("worker group failed: %s: %s", type(error).__name__, error)
+        for state in self._ranks.values():
+            state.pump.fail(error)
+        for rank in self._ranks:
+            self._kill(rank)
+        if self._group_scope is not None:
+            self._group_scope.cancel()
+
+    def _kill(self, rank: int) -> None:
+        try:
+            self.transport.kill(rank)
+        except Exception:  # pragma: no cover - best effort: the wait below bounds it
+            log.exception("could not kill worker %d", rank)
+
+    async def _teardown(self) -> None:
+        """A failed group: kill, wait.  A closing one: ask, wait at most
+        ``close_timeout_s``, terminate, wait a little, kill, wait."""
+        # A rank that never started is the transport's to end (its ``open`` exit).
+        ranks = [r for r, s in self._ranks.items() if s.started is not None and not s.exited]
+        if not ranks:
+            return
+        if self._dead_reason is None:
+            budget = self.config.close_timeout_s
+            with trio.move_on_after(budget) as scope:
+                await self.transport.stop(ranks)
+                await self._wait_exited(ranks)
+            if not scope.cancelled_caught:
+                return
+            log.warning("workers did not stop in %s s; terminating them", budget)
+            ranks = [r for r in ranks if not self._ranks[r].exited]
+            for rank in ranks:
+                self.transport.terminate(rank)
+            with trio.move_on_after(TERMINATE_WAIT_S) as scope:
+                await self._wait_exited(ranks)
+            if not scope.cancelled_caught:
+                return
+            ranks = [r for r in ranks if not self._ranks[r].exited]
+        for rank in ranks:
+            self._kill(rank)
+        with trio.move_on_after(KILL_WAIT_S) as scope:
+            await self._wait_exited(ranks)
+        if scope.cancelled_caught:
+            log.error("worker processes still exist %s s after the kill", KILL_WAIT_S)
+
+    async def _wait_exited(self, ranks: Sequence[int]) -> None:
+        async with trio.open_nursery() as waiters:
+            for rank in ranks:
+                waiters.start_soon(self._wait_one, rank)
+
+    async def _wait_one(self, rank: int) -> None:
+        state = self._ranks[rank]
+        if state.exited:
+            return
+        code = await self.transport.wait_exited(rank)
+        state.exited = True
+        if state.exit_code is None:
+            state.exit_code = code
+        state.gone.set()
+
+    async def aclose(self) -> None:
+        """Stop in-flight work at its next step, stop the workers (ask, bounded wait, kill);
+        idempotent and shielded from cancellation."""
+        if self._closing:
+            with trio.CancelScope(shield=True):
+                await self._serve_done.wait()
+            return
+        self._closing = True
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            closed = EngineClosedError("executor is closed")
+            for state in self._ranks.values():
+                state.pump.fail(closed)
+            if self._group_scope is not None:
+                self._group_scope.cancel()
+                await self._serve_done.wait()
+
+    # -- calls --------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._dead_reason is not None or self._closed:
+            self.check_health()
+        if self.model_info is None:
+            raise EngineClosedError("executor is not started")
+
+    async def _call(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        reply_rank: int | None = 0,
+        timeout: float | None = None,
+        abort_ids: Sequence[str] = (),
+        with_rpc_id: bool = False,
+    ) -> dict[int, AsyncOutput]:
+        """Send one call to every rank; every rank's reply, each read by its pump.  A rank's
+        error becomes one :class:`WorkerError` naming every failed rank (a ``fatal`` one, a
+        broken worker, also fails the group); no reply within
+        ``timeout`` fails the group (``StallError("rpc")``): a worker runs one call at a
+        time, so every later call would queue behind the stuck one.  If cancelled,
+        ``abort_ids`` are aborted (the forward stops at its next step).
+        ``with_rpc_id`` passes the call's id to the method (``rpc_id=``)."""
+        self._check_usable()
+        rpc_id = f"{self._tag}-{next(self._ids)}"
+        states = [self._ranks[rank] for rank in sorted(self._ranks)]
+        call_kwargs = dict(kwargs or {})
+        if with_rpc_id:
+            call_kwargs["rpc_id"] = rpc_id
+        call = WorkerCall(rpc_id, method, tuple(args), call_kwargs, reply_rank)
+        for state in states:
+            state.pump.register_rpc(rpc_id)
+        for state in states:
+            self.transport.send(state.rank, call)
+        self._tracker.call_started(trio.current_time())
+        replies: dict[int, AsyncOutput] = {}
+        failed: list[WorkerError] = []
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                for state in states:
+                    try:
+                        replies[state.rank] = await state.pump.wait_rpc(rpc_id, math.inf)
+                    except WorkerError as exc:
+                        if self._dead_reason is not None:
+                            raise
+                        failed.append(exc)
+        except trio.TooSlowError:
+            error = StallError("rpc", f"{method!r} got no reply within {timeout} s")
+            self._fail_group(error)
+            raise error from None
+        except trio.Cancelled:
+            if abort_ids:
+                self.abort_requests(abort_ids)
+            raise
+        finally:
+            self._tracker.call_ended()
+            for state in states:
+                state.pump.forget_rpc(rpc_id)
+        if failed:
+            failure = _rank_failures(method, failed)
+            if failure.fatal:  # a rank is broken itself (a device fault): replace the group
+                self._fail_group(failure)
+            raise failure
+        return replies
+
+    async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        try:
+            replies = await self._call(
+                method,
+                (scheduler_output,),
+                abort_ids=scheduler_output.scheduled_request_ids,
+                with_rpc_id=method == "execute_scheduler_output",
+            )
+        except (trio.Cancelled, EngineClosedError):
+            raise
+        except Exception as exc:
+            # A forward never raises for a request's own failure: this worker is broken.
+            self._fail_group(exc)
+            raise EngineDeadError(f"worker group failed: {exc}") from exc
+        reply = replies[0]
+        result = reply.result
+        if not isinstance(result, BatchRunnerOutput):
+            error = WorkerError(f"{method!r} returned {type(result).__name__}", worker=0)
+            self._fail_group(error)
+            raise EngineDeadError(str(error)) from error
+        if reply.kind is AsyncOutputKind.COMPUTE_DONE:
+            register_async_outputs(self._ranks[0].pump, result)
+        return result
+
+    async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        return await self._execute("execute_scheduler_output", scheduler_output)
+
+    async def execute_step(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        return await self._execute("execute_stepwise", scheduler_output)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = 0,
+        **kwargs: Any,
+    ) -> Any:
+        replies = await self._call(
+            method, args, kwargs, reply_rank=unique_reply_rank, timeout=timeout
+        )
+        if unique_reply_rank is None:
+            return [replies[rank].result for rank in sorted(replies)]
+        return replies[unique_reply_rank].result
+
+    def abort_requests(self, request_ids: Sequence[str] | Any) -> None:
+        ids = tuple(request_ids)
+        if not ids or self._closed:
+            return
+        for rank in self._ranks:
+            self.transport.send(rank, WorkerAbort(ids))
+
+    # -- introspection ------------------------------------------------------------------
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        state = self._ranks.get(0)
+        return state.progress.get(request_id) if state is not None else None
+
+    def leftovers(self) -> dict[str, set[str]]:
+        held: dict[str, set[str]] = {}
+        for state in self._ranks.values():
+            for kind, ids in state.pump.leftovers().items():
+                held.setdefault(kind, set()).update(ids)
+        return held
+
+    async def wait_settled(self) -> None:
+        for state in list(self._ranks.values()):
+            await state.pump.wait_settled()
+
+    def worker_states(self) -> list[WorkerState]:
+        out = []
+        for entry in super().worker_states():
+            state = self._ranks.get(entry.rank)
+            if state is None:
+                out.append(entry)
+                continue
+            status = entry.state
+            if state.exited and status is WorkerStatus.RUNNING:
+                status = WorkerStatus.FAILED
+            steps = self._tracker.steps_of(entry.rank)
+            out.append(WorkerState(entry.rank, status, pid=state.pid, steps=steps))
+        return out
+
+    def worker_pids(self) -> dict[int, int]:
+        """rank -> pid of every worker process (where the backend knows it)."""
+        return {r: pid for r, s in self._ranks.items() if (pid := s.pid) is not None}
+
+    def worker_exit_codes(self) -> dict[int, int | None]:
+        """rank -> exit status of each worker process once it exited (0: it stopped when
+        asked; negative: killed by that signal), None while it runs or if unknown."""
+        return {rank: state.exit_code for rank, state in self._ranks.items()}
+
+    def worker_steps(self) -> dict[int, int]:
+        """rank -> denoising steps that worker has run, as of its latest message."""
+        steps = {rank: self._tracker.steps_of(rank) for rank in self._ranks}
+        return {rank: n for rank, n in steps.items() if n is not None}
+
+    def worker_nodes(self) -> dict[int, str]:
+        """rank -> the host each worker runs on (where the backend knows it)."""
+        nodes = {r: s.started.node for r, s in self._ranks.items() if s.started is not None}
+        return {r: node for r, node in nodes.items() if node is not None}
+
+
+def _rank_failures(method: str, failed: Sequence[WorkerError]) -> WorkerError:
+    """One error naming every rank whose reply to ``method`` failed, with the first failed
+    rank's type and every traceback."""
+    first = failed[0]
+    detail = "; ".join(f"rank {e.worker}: {e.error_type}: {_message(e)}" for e in failed)
+    return WorkerError(
+        f"{method!r} failed on {len(failed)} rank(s): {detail}",
+        worker=first.worker,
+        error_type=first.error_type,
+        traceback_text="\n".join(e.traceback_text or "" for e in failed),
+        fatal=any(e.fatal for e in failed),
+    )
+
+
+def _message(error: WorkerError) -> str:
+    """The remote message of a boxed error (without the "worker N: Type: " prefix)."""
+    text = str(error)
+    prefix = f"worker {error.worker}: {error.error_type}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text

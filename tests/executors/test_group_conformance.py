@@ -1,0 +1,223 @@
+"""One conformance suite for every process backend (``GroupExecutor`` over its transport):
+the same fault, the same expectations, on tractor and on Ray.
+
+Each fault fails the worker group closed, the engine's supervisor starts a new group, the
+request in flight is retried on it (``max_retries_on_worker_failure=1``), and the engine then
+serves the next request.  A fault that travels with its request (a hang, a dead packer, a
+broken device, a crash) fires again on the retry, so that request ends failed (retryable) after
+two group failures; a fault from outside (a SIGKILL) does not, so the retry completes with the
+image an undisturbed run gives.  Every worker process of every failed group is gone.
+
+The tractor engines here use the forkserver start method (a restart forks a preloaded worker
+in ~0.2 s instead of starting an interpreter); the default start method's crash and restart
+paths have their own tests in test_tractor_executor.py.  Timings are not asserted (the
+recovery times are measured by ``omni-trio bench recovery``); every wait is capped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from omni_trio import (
+    AsyncEngine,
+    DiffusionRequest,
+    EngineConfig,
+    RequestFailedError,
+    SamplingParams,
+    open_engine,
+)
+from omni_trio._core.lifecycle import RequestStatus
+from omni_trio.errors import StallError
+from omni_trio.executors.group import GroupExecutor
+from omni_trio.models.echo import ECHO_STEP_DELAY_S, decode_echo_image
+from omni_trio.testing.faults import Fault, FaultSpec, with_faults
+from tests.executors.test_tractor_executor import (
+    _exists,
+    poll_until,
+    wait_running,
+    wait_until_gone,
+)
+
+CAP_S = 90.0
+S = RequestStatus
+
+
+@pytest.fixture(params=["tractor", pytest.param("ray", marks=pytest.mark.slow)])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")  # a local Ray the engine joins
+    return str(request.param)
+
+
+def params(steps: int = 3, *, seed: int = 1, delay: float | None = None) -> SamplingParams:
+    extra = {ECHO_STEP_DELAY_S: delay} if delay is not None else {}
+    return SamplingParams(
+        num_inference_steps=steps, seed=seed, height=32, width=32, extra_args=extra
+    )
+
+
+@asynccontextmanager
+async def engine_on(backend: str, cache_dir: Path, **overrides: Any) -> AsyncIterator[AsyncEngine]:
+    """An echo engine on ``backend`` with fault injection, quick restarts, one retry and a
+    one-second stall deadline; on a normal exit, no worker process of it is left."""
+    settings: dict[str, Any] = {
+        "backend": backend,
+        "cache_dir": str(cache_dir),
+        "torch_threads": 1,
+        "warmup": False,
+        "cfg_parallel": False,
+        "fault_injection": True,
+        "worker_stall_timeout_s": 1.0,
+        "worker_restart_backoff_s": 0.0,
+        "max_retries_on_worker_failure": 1,
+        "close_timeout_s": 10.0,
+    }
+    if backend == "tractor":
+        settings["worker_start_method"] = "forkserver"
+    settings.update(overrides)
+    seen: set[int] = set()
+    async with open_engine(EngineConfig(**settings)) as engine:
+        seen.update(group(engine).worker_pids().values())
+        yield engine
+        seen.update(group(engine).worker_pids().values())
+    assert not [pid for pid in seen if _exists(pid)], "close left worker processes"
+
+
+def group(engine: AsyncEngine) -> GroupExecutor:
+    executor = engine.executor
+    assert isinstance(executor, GroupExecutor)
+    return executor
+
+
+async def fails_twice_then_serves(
+    engine: AsyncEngine, faulty: SamplingParams, *, names: str
+) -> RequestFailedError:
+    """Run a request whose fault fires on every attempt: it fails (retryable) after its
+    group failed twice (the first run and the retry); the engine is ready again and serves
+    a clean request; every process of the failed groups is gone.  Returns the failure."""
+    first = list(group(engine).worker_pids().values())
+    with pytest.raises(RequestFailedError) as info:
+        await engine.generate("p", faulty, request_id="faulty")
+    error = info.value
+    assert error.error_type == "WorkerFailedError" and error.retryable, error
+    assert names in str(error), error
+    await poll_until(lambda: engine.health().healthy)
+    health = engine.health()
+    assert health.restarts == 2, health
+    assert health.last_failure is not None and names in health.last_failure
+    clean = await engine.generate("p", params(seed=5), request_id="clean")
+    assert clean.status is S.FINISHED_COMPLETED
+    assert decode_echo_image(clean.images[0]) == ("clean", 5, 0)
+    await wait_until_gone(first, timeout=15.0)
+    return error
+
+
+async def test_a_killed_worker_fails_the_group_and_its_request_reruns_on_the_next(
+    backend: str, cache_dir: Path
+) -> None:
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir, num_workers=2) as engine:
+            slow = params(40, seed=9, delay=0.02)
+            undisturbed = await engine.generate("p", slow, request_id="a")
+            pids = group(engine).worker_pids()
+            stream = engine.stream("p", slow, request_id="a")
+            await wait_running(engine, "a")
+            os.kill(pids[1], signal.SIGKILL)  # not the output rank
+            async with stream:
+                outs = [out async for out in stream]
+            await poll_until(lambda: engine.health().healthy)
+            health = engine.health()
+            new_pids = group(engine).worker_pids()
+            await wait_until_gone(pids.values(), timeout=15.0)
+    final = outs[-1]
+    assert final.status is S.FINISHED_COMPLETED
+    assert np.array_equal(np.asarray(final.images[0]), np.asarray(undisturbed.images[0]))
+    assert health.restarts == 1
+    assert health.last_failure is not None
+    assert "worker 1: WorkerDied" in health.last_failure
+    assert f"process {pids[1]} died" in health.last_failure
+    assert not set(new_pids.values()) & set(pids.values())
+
+
+async def test_a_worker_that_exits_mid_forward_fails_the_group(
+    backend: str, cache_dir: Path
+) -> None:
+    crash = with_faults(params(4), FaultSpec(Fault.CRASH_AT_STEP, step=1))
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir) as engine:
+            await fails_twice_then_serves(engine, crash, names="WorkerDied")
+
+
+async def test_a_hung_worker_is_killed_not_asked(backend: str, cache_dir: Path) -> None:
+    """A forward stuck in the worker makes no step progress: the group fails closed with a
+    StallError and the hung worker is killed at once (a failed group is never asked to stop,
+    so the 10 s close timeout is never waited for)."""
+    hang = with_faults(params(4), FaultSpec(Fault.HANG_AT_STEP, step=1))
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir) as engine:
+            (pid,) = group(engine).worker_pids().values()
+            failed_at: list[float] = []
+
+            async def note_failure(executor: GroupExecutor) -> None:
+                await executor.wait_failed()
+                failed_at.append(trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(note_failure, group(engine))
+                error = await fails_twice_then_serves(engine, hang, names="stalled")
+            assert "no step progress" in str(error) or "no progress" in str(error)
+            # Killed, not asked: gone well within the close timeout of its failure.
+            with trio.fail_after(5.0):
+                await wait_until_gone([pid], timeout=5.0)
+            assert failed_at
+
+
+async def test_an_rpc_past_its_timeout_fails_the_group(backend: str, cache_dir: Path) -> None:
+    """A worker runs one call at a time, so every later call would queue behind a stuck one:
+    an RPC with no reply within its timeout fails the group closed, on every backend."""
+    hang = DiffusionRequest(
+        "p",
+        with_faults(params(4), FaultSpec(Fault.HANG_AT_STEP, step=1)),
+        request_id="stuck",
+    )
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir, worker_stall_timeout_s=None) as engine:
+            (pid,) = group(engine).worker_pids().values()
+            with pytest.raises(StallError, match=r"'execute_model' got no reply within 1\.0 s"):
+                await engine.collective_rpc("execute_model", hang, timeout=1.0)
+            await poll_until(lambda: engine.health().healthy)
+            health = engine.health()
+            assert health.restarts == 1
+            assert health.last_failure is not None and "rpc stalled" in health.last_failure
+            out = await engine.generate("p", params(seed=2), request_id="after")
+            assert decode_echo_image(out.images[0]) == ("after", 2, 0)
+            await wait_until_gone([pid], timeout=15.0)
+
+
+async def test_a_dead_output_packer_fails_the_group_at_once(backend: str, cache_dir: Path) -> None:
+    """The packer thread dies as it starts packing: the output would never come.  The
+    worker's heartbeat says so and the group fails (long before the output timeout)."""
+    doomed = with_faults(params(2), FaultSpec(Fault.KILL_PACKER))
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir) as engine:
+            await fails_twice_then_serves(engine, doomed, names="PackerDied")
+
+
+async def test_a_broken_device_fails_the_group_closed(backend: str, cache_dir: Path) -> None:
+    """A sticky device fault (the device probe fails after a CUDA-like error) breaks the
+    worker, not just the request: its group is replaced instead of failing every later
+    request while health says ready."""
+    poisoned = with_faults(params(4), FaultSpec(Fault.POISON_DEVICE, step=1))
+    with trio.fail_after(CAP_S):
+        async with engine_on(backend, cache_dir) as engine:
+            error = await fails_twice_then_serves(engine, poisoned, names="DeviceFaultError")
+            assert "failed its probe" in str(error)
