@@ -134,6 +134,13 @@ class EngineConfig:
     worker_restart_backoff_s: float = 0.05
     worker_restart_backoff_max_s: float = 5.0
     max_retries_on_worker_failure: int = 1
+    # A request its group failed under this many times (from the first on it runs alone) is
+    # quarantined: failed for good with the non-retryable RequestQuarantinedError, never run
+    # again, so one poison request cannot crash-loop the workers.  None: never.
+    quarantine_after_crashes: int | None = 2
+    # How long a worker group may take to start (spawn -> every rank ready, model loaded);
+    # past it the start failed.  Workers are watched from the moment they are spawned.
+    worker_start_timeout_s: float = 600.0
     # tractor backend: "trio" (a fresh interpreter per worker) or "forkserver" (forked from
     # a preloaded fork server that lives as long as this process: fast restarts).
     worker_start_method: str = "trio"
@@ -184,6 +191,13 @@ class EngineConfig:
         _nonneg_float("worker_stall_timeout_s", self.worker_stall_timeout_s, allow_none=True)
         _nonneg_int("max_worker_restarts", self.max_worker_restarts)
         _nonneg_int("max_retries_on_worker_failure", self.max_retries_on_worker_failure)
+        if self.quarantine_after_crashes is not None:
+            _positive_int("quarantine_after_crashes", self.quarantine_after_crashes)
+        _nonneg_float("worker_start_timeout_s", self.worker_start_timeout_s)
+        if self.worker_start_timeout_s == 0:
+            raise InvalidConfigError(
+                "worker_start_timeout_s must be > 0", field="worker_start_timeout_s"
+            )
         _nonneg_float("worker_restart_window_s", self.worker_restart_window_s)
         _nonneg_float("worker_restart_backoff_s", self.worker_restart_backoff_s)
         _nonneg_float("worker_restart_backoff_max_s", self.worker_restart_backoff_max_s)
@@ -251,6 +265,7 @@ class EngineConfig:
             preview_interval=self.preview_interval,
             limits=self.request_limits,
             max_retries_on_worker_failure=self.max_retries_on_worker_failure,
+            quarantine_after_crashes=self.quarantine_after_crashes,
             fault_injection=self.fault_injection,
             output_timeout_s=output_timeout_s,
         )

@@ -4,7 +4,8 @@ Every error the runtime raises on purpose is one of these::
 
     OmniTrioError
     ├── InvalidRequestError (ValueError)     bad input, rejected before admission
-    │   └── DuplicateRequestError            request id already active
+    │   ├── DuplicateRequestError            request id already active
+    │   └── PayloadError                     a payload the workers cannot be sent (after admission)
     ├── InvalidConfigError (ValueError)      bad EngineConfig field or model/config mismatch
     ├── RequestAbortedError                  the request was aborted (API, consumer drop, close)
     ├── RequestFailedError                   the request ran and failed; carries the error text/type
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidTransition",
     "OmniTrioError",
+    "PayloadError",
     "RequestAbortedError",
     "RequestFailedError",
     "RestartLimitError",
@@ -43,6 +45,9 @@ __all__ = [
 # error_type of a request that failed because its worker group failed (retries used up):
 # the request itself was fine.
 RETRYABLE_ERROR_TYPES = frozenset({"WorkerFailedError", "StallError"})
+# error_type of a request failed for good because its worker group failed under it twice
+# (after the first time it ran alone): the likely cause, never run again, not retryable.
+QUARANTINED_ERROR_TYPE = "RequestQuarantinedError"
 
 
 class OmniTrioError(Exception):
@@ -63,6 +68,16 @@ class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request_id {request_id!r} is already active", param="request_id")
         self.request_id = request_id
+
+
+class PayloadError(InvalidRequestError):
+    """An executor could not send a call to its workers: the wire codec cannot carry a value
+    it holds (say, an object in ``extra_args`` with no encoding).  Nothing reached a worker;
+    the group is fine.  Raised by ``execute_*`` it fails the request that holds the value,
+    never the group (see ``EngineCore.payload_rejected``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="payload")
 
 
 class InvalidConfigError(OmniTrioError, ValueError):
@@ -96,6 +111,13 @@ class RequestFailedError(OmniTrioError):
         failed or stalled and the retry budget ran out): the same request may succeed if
         submitted again."""
         return self.error_type in RETRYABLE_ERROR_TYPES
+
+    @property
+    def quarantined(self) -> bool:
+        """True when the request was quarantined: its worker group failed each time it ran
+        (twice, the second time alone), so it is taken for the cause and not run again.
+        Submitting it again would most likely crash the workers again."""
+        return self.error_type == QUARANTINED_ERROR_TYPE
 
 
 class EngineClosedError(OmniTrioError):
@@ -149,7 +171,8 @@ class WorkerError(OmniTrioError):
 
 
 class StallError(OmniTrioError, TimeoutError):
-    """A bounded wait ran out; ``phase`` names what stalled (admission, forward, output, rpc)."""
+    """A bounded wait ran out; ``phase`` names what stalled (admission, forward, output, rpc,
+    start)."""
 
     def __init__(self, phase: str, message: str) -> None:
         super().__init__(f"{phase} stalled: {message}")

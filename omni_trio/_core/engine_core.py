@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import (
+    QUARANTINED_ERROR_TYPE,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -76,6 +77,9 @@ from .scheduler import RequestScheduler, Scheduler, StepScheduler
 from .trace import TraceKind, TraceRecorder
 
 __all__ = [
+    "PAYLOAD_REJECTED",
+    "QUARANTINED",
+    "QUARANTINE_AFTER_CRASHES",
     "WARMUP_REQUEST_ID",
     "WORKER_FAILED",
     "AwaitOutput",
@@ -93,6 +97,15 @@ _K = TraceKind
 # error_type of a request that failed because its worker group failed and its retries ran out
 # (retryable: the request itself was fine).
 WORKER_FAILED = "WorkerFailedError"
+# error_type of a request failed for good because its worker group failed under it
+# QUARANTINE_AFTER_CRASHES times (the default of ``quarantine_after_crashes``; after the
+# first it runs alone): it is the likely cause, so it is never run again (not retryable), and
+# a crash loop cannot form.
+QUARANTINED = QUARANTINED_ERROR_TYPE
+QUARANTINE_AFTER_CRASHES = 2
+# error_type of a request whose payload the executor could not send to its workers (say, a
+# value its wire codec cannot encode): the request's own fault, never the group's.
+PAYLOAD_REJECTED = "InvalidRequestError"
 _TIMING_WINDOW = 1024
 _PHASES = ("queue_wait", "execution", "postprocess", "end_to_end")
 
@@ -108,6 +121,8 @@ class CoreConfig:
     preview_interval: int = 1
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_retries_on_worker_failure: int = 1
+    # After this many group failures under it a request is quarantined (None: never).
+    quarantine_after_crashes: int | None = QUARANTINE_AFTER_CRASHES
     fault_injection: bool = False
     # How long a PACKING request may wait for its output (INV-6), seconds.
     output_timeout_s: float = 600.0
@@ -238,12 +253,13 @@ class EngineCore:
         return not self.closed and self.dead is None
 
     def has_work(self) -> bool:
-        """The loop has something to execute: a queued or running request, or (step mode)
-        finished ids the workers must hear about."""
+        """The loop has something to execute: a running request, a queued one that may start
+        (a suspect waits until nothing else is in flight), or (step mode) finished ids the
+        workers must hear about.  Otherwise the loop sleeps until the core changes."""
         if self.group is not GroupState.RUNNING:
             return False
         scheduler = self.scheduler
-        if scheduler.has_unfinished_requests():
+        if scheduler.has_schedulable_work():
             return True
         return self.config.step_execution and scheduler.has_finished_to_report()
 
@@ -525,6 +541,48 @@ class EngineCore:
         )
         return self.runner_output(sched_out, failure, now)
 
+    def payload_rejected(
+        self, sched_out: SchedulerOutput, error: str, now: float
+    ) -> list[Instruction]:
+        """The executor could not send ``sched_out`` to its workers (a payload its wire codec
+        cannot carry); nothing of it reached a worker and the group is fine.
+
+        With one new request in it, that request is the cause: it ends FINISHED_ERROR with
+        the non-retryable ``InvalidRequestError``.  With several, the cause is unknown: they
+        go back to the front of the queue to run alone (``solo``), where it fails by itself
+        and the others run.  Requests already running (step mode) keep their progress and
+        are scheduled again at the next tick."""
+        out: list[Instruction] = []
+        states = self._take_dispatch(sched_out)
+        if states is None:
+            return out
+        for rid in sched_out.scheduled_request_ids:
+            self._record(
+                now, _K.EXEC_RESULT, rid, step_id=sched_out.step_id, detail={"outcome": "unsent"}
+            )
+        new = [
+            data.request_id
+            for data in sched_out.scheduled_new_reqs
+            if states[data.request_id].status is _S.RUNNING
+        ]
+        if len(new) == 1:
+            (rid,) = new
+            self.scheduler.finish_requests(
+                rid,
+                _S.FINISHED_ERROR,
+                now,
+                error=f"its payload cannot be sent to the workers: {error}",
+                error_type=PAYLOAD_REJECTED,
+            )
+            self._terminal(self._entries[rid], None, now, out)
+            return out
+        for rid in reversed(new):  # reversed: they keep their order at the queue's front
+            state = states[rid]
+            state.solo = True
+            self.scheduler.preempt_request(rid, reset_progress=True)
+            self._record(now, _K.PREEMPT, rid, detail={"progress": 0, "reason": "isolate"})
+        return out
+
     def _drop_announced(self, result: BatchRunnerOutput, out: list[Instruction]) -> None:
         """Drop every output ``result`` announces that nobody awaits (INV-3: nothing is ever
         cached for it): its request is not the scheduled incarnation or no longer running,
@@ -805,30 +863,46 @@ class EngineCore:
         self._requeue_or_fail(packing, reason, now, out)
         return out
 
+    def start_failed(self, error: str, error_type: str) -> None:
+        """A restart's start failed (a worker died or hung while starting; the supervisor
+        tries again): health reports it as the last failure.  Nothing else changes: the
+        queue waits for the group that starts."""
+        if self.group is GroupState.RESTARTING:
+            self.last_failure = f"{error_type}: {error}"
+
     def _requeue_or_fail(
         self, request_ids: Sequence[str], reason: str, now: float, out: list[Instruction]
     ) -> None:
-        """Back to the front of the queue (reverse order keeps their order) while retries
-        last; else FINISHED_ERROR, retryable."""
+        """The worker group failed under ``request_ids``.  Each is a suspect from now on and
+        runs alone.  One whose group has now failed under it ``quarantine_after_crashes``
+        times is quarantined (FINISHED_ERROR, not retryable); the others go back to the front of
+        the queue (reverse order keeps their order) while retries last, else end
+        FINISHED_ERROR, retryable."""
         budget = self.config.max_retries_on_worker_failure
-        failed: list[str] = []
+        quarantine = self.config.quarantine_after_crashes
+        failed: list[tuple[str, str, str]] = []
         for rid in reversed(request_ids):
             entry = self._entries[rid]
             state = entry.state
-            if state.num_retries < budget and self.accepting:
+            state.num_crashes += 1
+            state.solo = True
+            if quarantine is not None and state.num_crashes >= quarantine:
+                message = (
+                    f"quarantined: its worker group failed each of the {state.num_crashes} "
+                    f"times it ran, so it is not run again (the last: {reason})"
+                )
+                failed.append((rid, message, QUARANTINED))
+            elif state.num_retries < budget and self.accepting:
                 state.num_retries += 1
                 self._requeued += 1
                 self.scheduler.preempt_request(rid, reset_progress=True)
                 self._record(now, _K.REQUEUE, rid, detail={"retry": state.num_retries})
             else:
-                failed.append(rid)
-        if not failed:
-            return
-        message = f"{reason}; retries exhausted"
-        for rid in reversed(failed):
+                failed.append((rid, f"{reason}; retries exhausted", WORKER_FAILED))
+        for rid, message, error_type in reversed(failed):
             entry = self._entries[rid]
             self.scheduler.finish_requests(
-                rid, _S.FINISHED_ERROR, now, error=message, error_type=WORKER_FAILED
+                rid, _S.FINISHED_ERROR, now, error=message, error_type=error_type
             )
             self._terminal(entry, None, now, out)
 

@@ -5,6 +5,12 @@ A request asks for faults in ``sampling.extra_args["faults"]``: a list of dicts
 kind takes; see :class:`FaultSpec`).  Admission validates them with :func:`parse_faults`; the
 worker carries them out (:mod:`omni_trio.worker.faults`) only when
 ``EngineConfig.fault_injection`` is True.
+
+Two faults are worker-level switches instead, set in ``EngineConfig.model_options`` (with
+``fault_injection=True``): ``fault_fail_warmup`` (the warmup request fails) and
+``fault_crash_on_prompt`` (a poison prompt: every request whose prompt contains the text
+crashes the worker at its first step), ``fault_exit_on_load`` / ``fault_hang_on_load`` (a
+path: while that file exists, a worker process loading the model exits / hangs).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CRASH_ON_PROMPT_OPTION",
     "DELAY_FAULTS",
     "EXIT_CODE",
+    "EXIT_ON_LOAD_OPTION",
     "FAIL_WARMUP_OPTION",
     "FAULTS_KEY",
     "FAULT_DOCS",
     "FAULT_OPTIONS",
     "FAULT_OPTION_PREFIX",
+    "HANG_ON_LOAD_OPTION",
     "PROCESS_ONLY_FAULTS",
     "STEP_FAULTS",
     "WARMUP_REQUEST_ID",
@@ -38,8 +47,19 @@ EXIT_CODE = 3
 WARMUP_REQUEST_ID = "omni-trio-warmup"
 FAULT_OPTION_PREFIX = "fault_"
 FAIL_WARMUP_OPTION = "fault_fail_warmup"
+# A poison prompt: every request whose prompt contains this model option's text crashes the
+# worker at its first step (CRASH_AT_STEP at step 0), however often it is run, like a model
+# bug that one input triggers.  Not per request: the request itself asks for nothing.
+CRASH_ON_PROMPT_OPTION = "fault_crash_on_prompt"
+# A start that goes wrong: while the file this option names exists, a worker process loading
+# the model ends itself (exit code EXIT_CODE; an OOM kill during load looks alike) or hangs.
+# Removing the file lets the next start succeed.
+EXIT_ON_LOAD_OPTION = "fault_exit_on_load"
+HANG_ON_LOAD_OPTION = "fault_hang_on_load"
 # Every fault_* model option the worker knows.
-FAULT_OPTIONS = frozenset({FAIL_WARMUP_OPTION})
+FAULT_OPTIONS = frozenset(
+    {FAIL_WARMUP_OPTION, CRASH_ON_PROMPT_OPTION, EXIT_ON_LOAD_OPTION, HANG_ON_LOAD_OPTION}
+)
 
 
 class Fault(enum.StrEnum):

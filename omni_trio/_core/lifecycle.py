@@ -83,6 +83,12 @@ class RequestState:
     # Times this request was run again because its worker group failed under it (the one
     # retry counter; bounded by max_retries_on_worker_failure).
     num_retries: int = 0
+    # Times its worker group failed while it ran or packed; at QUARANTINE_AFTER_CRASHES the
+    # request is quarantined (failed for good) instead of run again.
+    num_crashes: int = 0
+    # Runs alone (never shares a wave or a tick): a suspect, after its group failed under it
+    # or its wave's payload could not be sent, so a poison request harms nobody twice.
+    solo: bool = False
     # Step mode: True once the worker holds state for it (new payload already sent).
     sent_to_worker: bool = False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import unicodedata
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -22,6 +23,7 @@ __all__ = [
     "OutputType",
     "RequestLimits",
     "SamplingParams",
+    "text_problem",
     "validate_request",
 ]
 
@@ -97,6 +99,48 @@ def _fail(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
+# Control characters a prompt may hold (whitespace); every other one is rejected.
+_ALLOWED_CONTROLS = frozenset("\t\n\r")
+# How deep extra_args may nest (its strings are checked all the way down).
+_MAX_EXTRA_DEPTH = 32
+
+
+def text_problem(text: str, *, controls: bool = True) -> str | None:
+    """What makes ``text`` unfit to carry (None if nothing): a lone surrogate, which no UTF-8
+    encoder can write, or (``controls``) a control character other than tab, newline and
+    carriage return.  Names the first offender and its index."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"holds a lone surrogate U+{ord(text[exc.start]):04X} at index {exc.start}"
+    if controls and not text.isprintable():
+        for index, char in enumerate(text):
+            if char not in _ALLOWED_CONTROLS and unicodedata.category(char) == "Cc":
+                return f"holds the control character U+{ord(char):04X} at index {index}"
+    return None
+
+
+def _check_text(text: str, param: str, *, controls: bool = True) -> None:
+    problem = text_problem(text, controls=controls)
+    if problem is not None:
+        raise _fail(f"{param} {problem}", param)
+
+
+def _check_extra(value: Any, depth: int = 0) -> None:
+    """Every string in ``extra_args`` (keys too) is encodable; its nesting is bounded."""
+    if depth > _MAX_EXTRA_DEPTH:
+        raise _fail(f"extra_args nests deeper than {_MAX_EXTRA_DEPTH} levels", "extra_args")
+    if isinstance(value, str):
+        _check_text(value, "extra_args", controls=False)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_extra(key, depth + 1)
+            _check_extra(item, depth + 1)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            _check_extra(item, depth + 1)
+
+
 def validate_request(request: DiffusionRequest, limits: RequestLimits | None = None) -> None:
     """Raise :class:`InvalidRequestError` (naming the field) if ``request`` must not be admitted.
 
@@ -120,6 +164,7 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
             f"prompt is {len(request.prompt)} characters; at most {limits.max_prompt_chars}",
             "prompt",
         )
+    _check_text(request.prompt, "prompt")
     sp = request.sampling
     if not isinstance(sp, SamplingParams):
         raise _fail(f"sampling must be SamplingParams, not {type(sp).__name__}", "sampling")
@@ -159,8 +204,16 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
     gs = sp.guidance_scale
     if isinstance(gs, bool) or not isinstance(gs, int | float) or not math.isfinite(gs) or gs < 0:
         raise _fail(f"guidance_scale must be a finite number >= 0, got {gs!r}", "guidance_scale")
-    if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, str):
-        raise _fail("negative_prompt must be a string or None", "negative_prompt")
+    if sp.negative_prompt is not None:
+        if not isinstance(sp.negative_prompt, str):
+            raise _fail("negative_prompt must be a string or None", "negative_prompt")
+        if len(sp.negative_prompt) > limits.max_prompt_chars:
+            raise _fail(
+                f"negative_prompt is {len(sp.negative_prompt)} characters; "
+                f"at most {limits.max_prompt_chars}",
+                "negative_prompt",
+            )
+        _check_text(sp.negative_prompt, "negative_prompt")
     n = sp.num_outputs_per_prompt
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_outputs:
         raise _fail(
@@ -178,3 +231,4 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
         raise _fail(f"seed must be an integer in 0..2**63-1, got {sp.seed!r}", "seed")
     if not isinstance(sp.extra_args, Mapping):
         raise _fail("extra_args must be a mapping", "extra_args")
+    _check_extra(sp.extra_args)

@@ -96,6 +96,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._queued) or bool(self._running)
 
+    def has_schedulable_work(self) -> bool:
+        """A schedule() now would run something: a request is running, or the head of the
+        queue may start (not a suspect waiting for the group to empty, see ``solo``)."""
+        if self._running:
+            return True
+        head = self._peek_head()
+        return head is not None and not self._solo_blocks(head)
+
     def has_finished_to_report(self) -> bool:
         """True when the next schedule() output will report finished ids."""
         return bool(self._finished_pending)
@@ -289,6 +297,8 @@ class Scheduler:
             key = self._key_fn(head.request)
             if self._running and key != self._wave_key:
                 break  # head-of-line blocking
+            if self._solo_blocks(head):
+                break  # a suspect runs alone
             if not self._running:
                 self._wave_key = key
             self._waiting.popleft()
@@ -303,6 +313,18 @@ class Scheduler:
             else:
                 cached.append(head.request_id)
         return new, cached
+
+    def _solo_blocks(self, head: RequestState) -> bool:
+        """A suspect (``solo``) runs alone in the group: it starts only once nothing else is
+        running or packing, and nothing starts while it runs or packs, so a group failure
+        under it has one cause."""
+        if not self._running and not self._packing:
+            return False
+        if head.solo:
+            return True
+        return any(s.solo for s in self._running.values()) or any(
+            s.solo for s in self._packing.values()
+        )
 
     def _sends_payload(self, state: RequestState) -> bool:
         return True

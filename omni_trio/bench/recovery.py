@@ -20,7 +20,8 @@ recovery  For each backend of ``--backends`` (``tractor``; ``tractor,ray`` side 
           recovery time).  Target: recovery <= 3 s for every fault kind with the tiny model.
 soak      ``--soak-s`` (60) seconds of the same load on ``tractor``, the worker SIGKILLed
           every ``--kill-every-s`` (4) seconds.  Every request must complete or end with an
-          explicit, retryable error (``RequestFailedError.retryable``); any other outcome, a
+          explicit error: retryable (``RequestFailedError.retryable``) or, killed on both
+          attempts, quarantined (``RequestFailedError.quarantined``); any other outcome, a
           request that never ends, a shared-memory segment or a worker process left behind
           counts as lost.  Reported: requests completed / retried / failed / lost, restarts.
 
@@ -196,6 +197,7 @@ class _Load:
         self.completed = 0
         self.retried_ok = 0
         self.failed_retryable = 0
+        self.quarantined = 0
         self.lost: list[str] = []
         self.stopping = False
         self._seq = 0
@@ -212,6 +214,8 @@ class _Load:
             except RequestFailedError as exc:
                 if exc.retryable:
                     self.failed_retryable += 1
+                elif exc.quarantined:  # its group failed under it on both attempts
+                    self.quarantined += 1
                 else:
                     self.lost.append(f"{rid}: {exc}")
             except EngineDeadError as exc:
@@ -414,6 +418,7 @@ async def _soak_part(args: argparse.Namespace, report: Report, bar: Progress) ->
         "requests_completed": load.completed,
         "requeued": stats.requeued,
         "failed_retryable": load.failed_retryable,
+        "quarantined": load.quarantined,
         "lost": lost,
     }
     report.results["soak"] = soak
@@ -423,6 +428,7 @@ async def _soak_part(args: argparse.Namespace, report: Report, bar: Progress) ->
         ("requests completed", load.completed),
         ("requests retried after a kill", stats.requeued),
         ("requests failed (retryable, budget used)", load.failed_retryable),
+        ("requests quarantined (killed on both attempts)", load.quarantined),
         ("requests lost / leaks", len(lost)),
     ):
         report.rows.append(

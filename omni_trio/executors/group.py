@@ -50,7 +50,7 @@ from .._core.messages import (
 )
 from .._core.model_info import ModelInfo
 from ..config import EngineConfig
-from ..errors import EngineClosedError, EngineDeadError, StallError, WorkerError
+from ..errors import EngineClosedError, EngineDeadError, PayloadError, StallError, WorkerError
 from .base import Executor
 from .result_pump import ResultPump, register_async_outputs
 
@@ -248,17 +248,13 @@ class GroupExecutor(Executor):
         ready, then run until closed or failed.  Teardown: a failed group is killed; a
         closing one is asked to stop, for at most ``close_timeout_s``, then killed."""
         config = self.config
-        n = config.num_workers
         try:
             async with self.transport.open(config, self._fail_group):
                 try:
                     with trio.CancelScope() as group_scope:
                         self._group_scope = group_scope
                         async with trio.open_nursery() as ranks:
-                            dist = None
-                            if n > 1 and config.cfg_parallel:
-                                dist = await self.transport.rendezvous()
-                            await self._start_ranks(ranks, dist)
+                            await self._start_within_deadline(ranks)
                             first = self._ranks[0].started
                             assert first is not None
                             info = first.model_info
@@ -278,6 +274,25 @@ class GroupExecutor(Executor):
             for state in self._ranks.values():
                 state.pump.fail(error)
             self._serve_done.set()
+
+    async def _start_within_deadline(self, ranks: trio.Nursery) -> None:
+        """Rendezvous (CFG-parallel) and start every rank within ``worker_start_timeout_s``;
+        past it the start fails with ``StallError("start")`` (the ranks are killed)."""
+        config = self.config
+        budget = config.worker_start_timeout_s
+        try:
+            with trio.fail_after(budget):
+                dist = None
+                if config.num_workers > 1 and config.cfg_parallel:
+                    dist = await self.transport.rendezvous()
+                await self._start_ranks(ranks, dist)
+        except trio.TooSlowError:
+            pending = sorted(r for r, s in self._ranks.items() if s.started is None)
+            raise StallError(
+                "start",
+                f"the worker group did not start within {budget} s "
+                f"(worker_start_timeout_s; not ready: rank(s) {pending or 'all'})",
+            ) from None
 
     async def _start_ranks(self, ranks: trio.Nursery, dist: str | None) -> None:
         n = self.config.num_workers
@@ -487,7 +502,9 @@ class GroupExecutor(Executor):
         ``timeout`` fails the group (``StallError("rpc")``): a worker runs one call at a
         time, so every later call would queue behind the stuck one.  If cancelled,
         ``abort_ids`` are aborted (the forward stops at its next step).
-        ``with_rpc_id`` passes the call's id to the method (``rpc_id=``)."""
+        ``with_rpc_id`` passes the call's id to the method (``rpc_id=``).  A call the
+        transport cannot send to the first rank (its codec cannot carry an argument) raises
+        :class:`PayloadError`: nothing was sent, the group is fine."""
         self._check_usable()
         rpc_id = f"{self._tag}-{next(self._ids)}"
         states = [self._ranks[rank] for rank in sorted(self._ranks)]
@@ -497,8 +514,17 @@ class GroupExecutor(Executor):
         call = WorkerCall(rpc_id, method, tuple(args), call_kwargs, reply_rank)
         for state in states:
             state.pump.register_rpc(rpc_id)
-        for state in states:
-            self.transport.send(state.rank, call)
+        for index, state in enumerate(states):
+            try:
+                self.transport.send(state.rank, call)
+            except Exception as exc:
+                if index:  # some rank has the call: the group no longer agrees
+                    raise
+                for done in states:
+                    done.pump.forget_rpc(rpc_id)
+                raise PayloadError(
+                    f"{method!r} could not be sent: {type(exc).__name__}: {exc}"
+                ) from exc
         self._tracker.call_started(trio.current_time())
         replies: dict[int, AsyncOutput] = {}
         failed: list[WorkerError] = []
@@ -538,8 +564,8 @@ class GroupExecutor(Executor):
                 abort_ids=scheduler_output.scheduled_request_ids,
                 with_rpc_id=method == "execute_scheduler_output",
             )
-        except (trio.Cancelled, EngineClosedError):
-            raise
+        except (trio.Cancelled, EngineClosedError, PayloadError):
+            raise  # a payload that cannot be sent is its request's fault, never the group's
         except Exception as exc:
             # A forward never raises for a request's own failure: this worker is broken.
             self._fail_group(exc)

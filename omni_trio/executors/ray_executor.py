@@ -94,6 +94,9 @@ _FORWARDED_PREFIXES = (
     "MKL_",
 )
 _NEVER_FORWARDED_PREFIXES = ("TORCHELASTIC_",)
+# Secrets are never copied into an actor (Ray keeps runtime_env in its GCS and shows it in its
+# dashboard): the daemon's API key, hub tokens, anything named like a credential.
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
 _NEVER_FORWARDED = frozenset(
     {
         "CUDA_VISIBLE_DEVICES",
@@ -115,13 +118,16 @@ _NEVER_FORWARDED = frozenset(
 
 def actor_env(environ: Mapping[str, str], torch_threads: int) -> dict[str, str]:
     """The environment variables a worker actor gets from the engine process (see
-    :data:`_FORWARDED_PREFIXES`), with its thread count (``OMP_NUM_THREADS``) set."""
+    :data:`_FORWARDED_PREFIXES`), with its thread count (``OMP_NUM_THREADS``) set.  Never a
+    secret (``OMNI_TRIO_API_KEY``, ``HF_TOKEN``, any name with TOKEN, KEY, SECRET,
+    PASSWORD, CREDENTIAL or AUTH in it)."""
     env = {
         key: value
         for key, value in environ.items()
         if key.startswith(_FORWARDED_PREFIXES)
         and key not in _NEVER_FORWARDED
         and not key.startswith(_NEVER_FORWARDED_PREFIXES)
+        and not any(word in key.upper() for word in _SECRET_WORDS)
     }
     env["OMP_NUM_THREADS"] = str(torch_threads)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import trio
+import trio.testing
 
 from .._core.messages import WorkerAbort, WorkerCall
 from ..config import EngineConfig
@@ -56,6 +57,7 @@ from .group import (
     RankStarted,
     RankStatus,
     Transport,
+    exit_status,
 )
 
 __all__ = ["FORKSERVER_PRELOAD", "TractorExecutor", "TractorTransport"]
@@ -175,6 +177,33 @@ def _runs(pid: int) -> bool:
         except OSError:
             return True
         return True
+
+
+async def _wait_released(channel: Any) -> None:
+    """Until tractor's runtime has let go of ``channel``: it no longer lists it among its
+    peers' channels and its handler of the channel has ended."""
+    import tractor
+
+    runtime = tractor.current_actor(err_on_no_runtime=False)
+    peers = getattr(runtime, "_peers", None)
+    if peers is None:  # pragma: no cover - tractor without the (private) peer table
+        return
+    # tractor signals no event per channel: poll its table (bounded by the caller).
+    while channel in peers.get(channel.uid, ()):  # noqa: ASYNC110
+        await trio.sleep(0.005)
+    # The handler lets go of the channel and then sends it a last message, which needs a
+    # few checkpoints: let every runnable task run (bounded by the caller).
+    await trio.testing.wait_all_tasks_blocked()
+
+
+def _exit_code_of(process: Any) -> int | None:
+    """The exit status tractor's process object knows (trio.Process or, under forkserver, a
+    multiprocessing.Process), if any."""
+    try:
+        code = process.poll() if hasattr(process, "poll") else process.exitcode
+    except (ValueError, OSError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 @dataclass(eq=False)
@@ -318,6 +347,12 @@ class TractorTransport(Transport):
                             link.outbox.close()
                         with trio.move_on_after(5):
                             await actors.cancel(hard_kill=True)
+        except trio.ClosedResourceError as exc:
+            # A backstop for a tractor race on a SIGKILLed worker's channel (see
+            # _wait_released): the group's failure is already recorded; this is not it.
+            if not any(link.killed for link in self._links.values()):
+                raise
+            log.debug("tractor's runtime raised on a killed worker's channel: %r", exc)
         finally:
             if TractorTransport._runtime_owner is self:
                 TractorTransport._runtime_owner = None
@@ -367,56 +402,120 @@ class TractorTransport(Transport):
     ) -> None:
         import tractor
 
-        from ..ipc import decode
-        from ..worker.tractor_actor import WORKER_MODULE, serve_worker
+        from ..worker.tractor_actor import WORKER_MODULE
 
         rank = init.rank
-        started_ok = False
+        ready = trio.Event()
         try:
             portal = await self._actors.start_actor(
                 f"omni-trio-worker-{rank}-{self._tag}", enable_modules=[WORKER_MODULE]
             )
-            async with (
-                portal.open_context(
-                    serve_worker,
-                    config=dict(init.config),
-                    rank=rank,
-                    world_size=init.world_size,
-                    dist_init_method=init.dist_init_method,
-                    shm_tag=self.shm_tag(rank),
-                    # Under forkserver the worker's OS parent is the fork server: say who
-                    # the engine is, so the worker ends when this process dies.
-                    engine_pid=os.getpid(),
-                ) as (ctx, started),
-                ctx.open_stream() as stream,
-            ):
-                send, receive = trio.open_memory_channel[bytes](math.inf)
-                pid = int(started["pid"])
-                link = _WorkerLink(rank, pid, send)
-                link.process = self._find_process(pid)
-                if isinstance(link.process, multiprocessing.process.BaseProcess):
-                    link.fork_server = _forkserver_pid()
-                self._links[rank] = link
-                try:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._write_link, stream, receive)
-                        task_status.started(RankStarted(pid, started["model_info"]))
-                        started_ok = True
-                        async for raw in stream:
-                            deliver(decode(raw))
-                        nursery.cancel_scope.cancel()
-                finally:
-                    if link.killed:
-                        # tractor would ask the dead worker to cancel its context and wait
-                        # 0.5 s for an answer that cannot come; a closed channel skips it.
-                        with trio.CancelScope(shield=True), trio.move_on_after(KILL_WAIT_S):
-                            await _wait_exited(pid)
-                            await portal.channel.aclose()
+            # Watched from the moment it is spawned: a worker that dies while it loads the
+            # model (an OOM kill) fails the start instead of leaving it waiting for ever.
+            spawned = self._process_of(portal)
+            died: list[int | None] = []
+            async with trio.open_nursery() as tasks:
+                with trio.CancelScope() as start_scope:
+                    if spawned is not None:
+                        tasks.start_soon(self._watch_start, spawned, ready, died, start_scope)
+                    await self._serve_spawned(init, portal, deliver, task_status, ready)
+                ready.set()  # ends the start watch
+            if died:
+                raise WorkerError(
+                    f"process {spawned.pid} died while starting ({exit_status(died[0])})",
+                    worker=rank,
+                    error_type="WorkerDied",
+                )
         except tractor.RemoteActorError as exc:
             raise self._box_remote(rank, exc) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel) as exc:
-            what = "link broke" if started_ok else "lost during startup"
+            what = "link broke" if ready.is_set() else "lost during startup"
             raise WorkerError(f"{what}: {exc!r}", worker=rank) from exc
+
+    @staticmethod
+    async def _watch_start(
+        process: Any, ready: trio.Event, died: list[int | None], start_scope: trio.CancelScope
+    ) -> None:
+        """Until the worker is ready: if its process exits first, note the exit status and
+        cancel the start (``start_scope``)."""
+        async with trio.open_nursery() as race:
+
+            async def exited() -> None:
+                await _wait_exited(process.pid)
+                if not ready.is_set():
+                    died.append(_exit_code_of(process))
+                    start_scope.cancel()
+                race.cancel_scope.cancel()
+
+            async def became_ready() -> None:
+                await ready.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(exited)
+            race.start_soon(became_ready)
+
+    def _process_of(self, portal: Any) -> Any:
+        """tractor's (private) process object of the worker behind ``portal``, if found."""
+        for entry in getattr(self._actors, "_children", {}).values():
+            if len(entry) > 2 and entry[2] is portal and getattr(entry[1], "pid", None):
+                return entry[1]
+        return None
+
+    async def _serve_spawned(
+        self,
+        init: RankInit,
+        portal: Any,
+        deliver: Deliver,
+        task_status: RankStatus,
+        ready: trio.Event,
+    ) -> None:
+        """A spawned worker's life: open its context (it loads the model and answers
+        ``started``), report the rank started (``ready``), then deliver what it sends until
+        its stream ends."""
+        from ..ipc import decode
+        from ..worker.tractor_actor import serve_worker
+
+        rank = init.rank
+        async with (
+            portal.open_context(
+                serve_worker,
+                config=dict(init.config),
+                rank=rank,
+                world_size=init.world_size,
+                dist_init_method=init.dist_init_method,
+                shm_tag=self.shm_tag(rank),
+                # Under forkserver the worker's OS parent is the fork server: say who the
+                # engine is, so the worker ends when this process dies.
+                engine_pid=os.getpid(),
+            ) as (ctx, started),
+            ctx.open_stream() as stream,
+        ):
+            send, receive = trio.open_memory_channel[bytes](math.inf)
+            pid = int(started["pid"])
+            link = _WorkerLink(rank, pid, send)
+            link.process = self._find_process(pid)
+            if isinstance(link.process, multiprocessing.process.BaseProcess):
+                link.fork_server = _forkserver_pid()
+            self._links[rank] = link
+            ready.set()  # from here on the executor's exit watch reports a death
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write_link, stream, receive)
+                    task_status.started(RankStarted(pid, started["model_info"]))
+                    async for raw in stream:
+                        deliver(decode(raw))
+                    nursery.cancel_scope.cancel()
+            finally:
+                if link.killed:
+                    # tractor would ask the dead worker to cancel its context and wait 0.5 s
+                    # for an answer that cannot come; a closed channel skips it.  Close it
+                    # only once tractor's own handler of the channel has seen the EOF and
+                    # let go of it: closing under that handler's final send raises
+                    # ClosedResourceError out of tractor's root nursery.
+                    with trio.CancelScope(shield=True), trio.move_on_after(KILL_WAIT_S):
+                        await _wait_exited(pid)
+                        await _wait_released(portal.channel)
+                        await portal.channel.aclose()
 
     @staticmethod
     def _box_remote(rank: int, exc: Any) -> Exception:

@@ -50,6 +50,7 @@ from ..config import EngineConfig
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
+    PayloadError,
     StallError,
     WorkerError,
 )
@@ -223,6 +224,10 @@ class AsyncEngine:
                 self.core.group_failed(str(error), type(error).__name__, trio.current_time()),
                 self._executor,
             )
+        elif error is not None and self.core.group is GroupState.RESTARTING:
+            # A restart's start failed (a worker died or hung while starting): health says
+            # so while the supervisor tries again.
+            self.core.start_failed(str(error), type(error).__name__)
 
     def _observe_group(self) -> None:
         """If the current group failed closed and the core does not know yet, tell it."""
@@ -327,6 +332,11 @@ class AsyncEngine:
                 return
             if isinstance(exc, StallError):
                 raise
+            if isinstance(exc, PayloadError):  # nothing was sent; the group is fine
+                log.warning("could not send %s: %s", sched_out.scheduled_request_ids, exc)
+                instructions = self.core.payload_rejected(sched_out, str(exc), trio.current_time())
+                self._carry_out(instructions, executor)
+                return
             if self.core.accepting:
                 log.warning(
                     "execution of %s failed", sched_out.scheduled_request_ids, exc_info=True

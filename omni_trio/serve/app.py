@@ -47,6 +47,7 @@ import trio
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
 from ..errors import (
+    QUARANTINED_ERROR_TYPE,
     RETRYABLE_ERROR_TYPES,
     DuplicateRequestError,
     EngineClosedError,
@@ -137,6 +138,11 @@ class _Exchange:
 
 def _retry_after() -> list[tuple[str, str]]:
     return [("Retry-After", str(RETRY_AFTER_S))]
+
+
+# The official OpenAI clients retry 5xx (and 408/409/429) unless told not to: a failure that
+# will recur says so.
+_NO_RETRY = (("x-should-retry", "false"),)
 
 
 def _unavailable(message: str, code: str) -> ApiError:
@@ -608,6 +614,23 @@ class ImagesApp:
         if error_type in RETRYABLE_ERROR_TYPES:
             return _unavailable(
                 f"request {rid} failed on a worker failure ({error_type}); retry", error_type
+            )
+        if error_type == "InvalidRequestError":  # found after admission (its payload)
+            return ApiError(
+                400,
+                f"request {rid} is invalid: {output.error}",
+                param="payload",
+                code="invalid_payload",
+                headers=_NO_RETRY,
+            )
+        if error_type == QUARANTINED_ERROR_TYPE:
+            return ApiError(
+                500,
+                f"request {rid} was quarantined: the workers failed each time it ran, so it "
+                "is not run again; do not resend it",
+                type="server_error",
+                code="request_quarantined",
+                headers=_NO_RETRY,
             )
         return ApiError(
             500,

@@ -49,6 +49,11 @@ fail_warmup         --       not per request: model_options        same
                              with FaultInjectedError
 ==================  =======  ====================================  ===============================
 
+Three more are worker-level ``model_options`` switches: ``fault_crash_on_prompt="<text>"``
+(a poison prompt: the worker crashes at the first step of every request whose prompt
+contains the text), ``fault_exit_on_load`` / ``fault_hang_on_load`` (a path: while that file
+exists, a worker process exits / hangs as it loads the model).
+
 Example::
 
     params = with_faults(SamplingParams(seed=1), FaultSpec(Fault.RAISE_AT_STEP, step=2))

@@ -6,7 +6,9 @@ kind takes; see :class:`FaultSpec`).  The worker honours them only when
 ``EngineConfig.fault_injection`` is True; otherwise the key is ignored.  The warmup request
 carries no ``extra_args``, so its fault is a worker-level switch instead:
 ``model_options["fault_fail_warmup"] = True`` (every ``fault_*`` model option is taken out
-before the model loader sees the options).
+before the model loader sees the options).  A poison prompt is one too:
+``model_options["fault_crash_on_prompt"] = "<text>"`` crashes the worker at the first step
+of every request whose prompt contains the text (as ``crash_at_step`` at step 0 would).
 
 The runner, step runner and worker call a :class:`FaultPlan`'s hooks at fixed points:
 
@@ -42,13 +44,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._core.faults import CRASH_ON_PROMPT_OPTION as CRASH_ON_PROMPT_OPTION
 from .._core.faults import DELAY_FAULTS as DELAY_FAULTS
 from .._core.faults import EXIT_CODE as EXIT_CODE
+from .._core.faults import EXIT_ON_LOAD_OPTION as EXIT_ON_LOAD_OPTION
 from .._core.faults import FAIL_WARMUP_OPTION as FAIL_WARMUP_OPTION
 from .._core.faults import FAULT_DOCS as FAULT_DOCS
 from .._core.faults import FAULT_OPTION_PREFIX as FAULT_OPTION_PREFIX
 from .._core.faults import FAULT_OPTIONS
 from .._core.faults import FAULTS_KEY as FAULTS_KEY
+from .._core.faults import HANG_ON_LOAD_OPTION as HANG_ON_LOAD_OPTION
 from .._core.faults import PROCESS_ONLY_FAULTS as PROCESS_ONLY_FAULTS
 from .._core.faults import STEP_FAULTS as STEP_FAULTS
 from .._core.faults import WARMUP_REQUEST_ID as WARMUP_REQUEST_ID
@@ -65,7 +70,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DELAY_FAULTS",
     "EXIT_CODE",
+    "CRASH_ON_PROMPT_OPTION",
+    "EXIT_ON_LOAD_OPTION",
     "FAIL_WARMUP_OPTION",
+    "HANG_ON_LOAD_OPTION",
     "FAULTS_KEY",
     "FAULT_DOCS",
     "FAULT_OPTION_PREFIX",
@@ -187,6 +195,10 @@ def split_fault_options(
     return model, faults
 
 
+def _optional_str(value: Any) -> str | None:
+    return str(value) if value else None
+
+
 class FaultInjector:
     """One worker's fault switchboard: builds each forward's :class:`FaultPlan` and carries
     out the faults.
@@ -206,6 +218,9 @@ class FaultInjector:
         enabled: bool,
         rank: int = 0,
         fail_warmup: bool = False,
+        crash_on_prompt: str | None = None,
+        exit_on_load: str | None = None,
+        hang_on_load: str | None = None,
         stop_flags: StopFlags | None = None,
         worker_process: bool | None = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -213,6 +228,9 @@ class FaultInjector:
         self.enabled = enabled
         self.rank = rank
         self.fail_warmup = enabled and fail_warmup
+        self.crash_on_prompt = crash_on_prompt or None if enabled else None
+        self.exit_on_load = exit_on_load or None if enabled else None
+        self.hang_on_load = hang_on_load or None if enabled else None
         self.stop_flags = stop_flags
         self._worker_process = worker_process
         self._sleep = sleep
@@ -231,11 +249,16 @@ class FaultInjector:
         **kwargs: Any,
     ) -> FaultInjector:
         """Enabled by ``config.fault_injection``; ``fail_warmup`` from
-        ``config.model_options["fault_fail_warmup"]`` (truthy)."""
+        ``config.model_options["fault_fail_warmup"]`` (truthy), ``crash_on_prompt`` from
+        ``config.model_options["fault_crash_on_prompt"]`` (a string)."""
+        poison = config.model_options.get(CRASH_ON_PROMPT_OPTION)
         return cls(
             enabled=config.fault_injection,
             rank=rank,
             fail_warmup=bool(config.model_options.get(FAIL_WARMUP_OPTION)),
+            crash_on_prompt=str(poison) if poison else None,
+            exit_on_load=_optional_str(config.model_options.get(EXIT_ON_LOAD_OPTION)),
+            hang_on_load=_optional_str(config.model_options.get(HANG_ON_LOAD_OPTION)),
             stop_flags=stop_flags,
             **kwargs,
         )
@@ -267,11 +290,28 @@ class FaultInjector:
                 specs = tuple(s for s in specs if s.rank is None or s.rank == self.rank)
             if self.fail_warmup and rid == WARMUP_REQUEST_ID:
                 specs = (FaultSpec(Fault.FAIL_WARMUP), *specs)
+            poison = self.crash_on_prompt
+            if poison is not None and poison in request.prompt:
+                specs = (FaultSpec(Fault.CRASH_AT_STEP, step=0), *specs)
             if specs:
                 faults[rid] = specs
         if not faults and not invalid:
             return self._empty
         return FaultPlan(self, faults, invalid)
+
+    def on_load(self) -> None:
+        """Before the model loads, in a worker process only: end the process while the
+        ``exit_on_load`` file exists, hang while the ``hang_on_load`` one does (a start
+        that goes wrong: an OOM kill, a stuck download)."""
+        if not self.worker_process:
+            return
+        if self.exit_on_load is not None and os.path.exists(self.exit_on_load):
+            log.warning("injected exit on load: ending worker process %d", os.getpid())
+            os._exit(EXIT_CODE)
+        if self.hang_on_load is not None and os.path.exists(self.hang_on_load):
+            log.warning("injected hang on load in worker process %d", os.getpid())
+            while True:  # only a kill ends it
+                time.sleep(3600.0)
 
     def release(self) -> None:
         """End every in-process hang (now and later) with :class:`WorkerCrashInjected`;

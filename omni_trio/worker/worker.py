@@ -176,6 +176,7 @@ class Worker:
     def load_model(self) -> ModelInfo:
         """Load the model on this worker's device; offer it the CFG-parallel group, which is
         closed at once if the model cannot use it (every rank decides alike)."""
+        self.faults.on_load()
         device = self.device
         if device is None:  # init_device was skipped
             device = rank_device(self.config.device, self.rank, self.world_size)[0]

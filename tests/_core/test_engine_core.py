@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from omni_trio._core.engine_core import (
+    PAYLOAD_REJECTED,
+    QUARANTINED,
     WORKER_FAILED,
     AwaitOutput,
     CoreConfig,
@@ -369,17 +371,115 @@ def test_a_group_failure_requeues_running_and_packing_requests_in_order() -> Non
 
 
 def test_past_its_retry_budget_a_request_fails_retryably() -> None:
-    core, trace = make(max_retries_on_worker_failure=1)
+    core, trace = make(max_retries_on_worker_failure=0)
+    admit(core, "a")
+    schedule(core)
+    [deliver] = core.group_failed("died", "WorkerError", 2.0)
+    assert isinstance(deliver, DeliverTerminal)
+    assert deliver.output.error_type == WORKER_FAILED
+    assert "retries exhausted" in (deliver.output.error or "")
+    assert [e for e in trace if e.kind is K.REQUEUE] == []
+    assert_clean(core, trace)
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_a_request_its_group_failed_under_twice_is_quarantined(budget: int) -> None:
+    """The second failure under the same request (which ran alone by then) marks it as the
+    cause: it fails for good, not retryable, whatever retry budget is left, so a poison
+    request cannot crash-loop the workers."""
+    core, trace = make(max_retries_on_worker_failure=budget)
     admit(core, "a")
     schedule(core)
     assert core.group_failed("died", "WorkerError", 2.0) == []
     core.group_started(INFO, 3.0)
-    schedule(core, 3.0)
+    assert schedule(core, 3.0).scheduled_request_ids == ("a",)
     [deliver] = core.group_failed("died again", "WorkerError", 4.0)
     assert isinstance(deliver, DeliverTerminal)
-    assert deliver.output.error_type == WORKER_FAILED
-    assert "retries exhausted" in (deliver.output.error or "")
+    assert deliver.output.error_type == QUARANTINED
+    assert "quarantined" in (deliver.output.error or "")
+    assert "died again" in (deliver.output.error or "")
     assert [e.detail["retry"] for e in trace if e.kind is K.REQUEUE] == [1]
+    core.group_started(INFO, 5.0)
+    assert core.schedule(5.0, worker=0) is None  # nothing left to run
+    assert_clean(core, trace)
+
+
+@pytest.mark.parametrize("step_execution", [False, True])
+def test_the_survivors_of_a_failed_group_run_alone(step_execution: bool) -> None:
+    """A poison request fused with innocent ones takes them down once; from then on each
+    of them runs alone, so the poison one is quarantined by itself and the others finish."""
+    core, trace = make(
+        max_retries_on_worker_failure=1, max_num_seqs=4, step_execution=step_execution
+    )
+    for rid in ("poison", "b", "c"):
+        admit(core, rid)
+    admit(core, "fresh")
+    assert schedule(core).scheduled_request_ids == ("poison", "b", "c", "fresh")
+    core.group_failed("died", "WorkerError", 2.0)
+    core.group_started(INFO, 3.0)
+    # Requeued at the front in their order, each alone; then the untouched one.
+    assert schedule(core, 3.0).scheduled_request_ids == ("poison",)
+    [deliver] = core.group_failed("died", "WorkerError", 4.0)
+    assert deliver.output.error_type == QUARANTINED
+    core.group_started(INFO, 5.0)
+    for rid in ("b", "c"):
+        out = schedule(core, 5.0)
+        assert out.scheduled_request_ids == (rid,)
+        if step_execution:
+            done = result(RunnerOutput(rid, step_index=2, finished=True, images=["img"]))
+        else:
+            done = result(RunnerOutput(rid, images=["img"]))
+        assert terminals(core.runner_output(out, done, 6.0)) == {rid: S.FINISHED_COMPLETED}
+    assert schedule(core, 7.0).scheduled_request_ids == ("fresh",)
+    assert_clean(core, trace)
+
+
+def test_a_payload_the_workers_cannot_be_sent_fails_its_request_only() -> None:
+    core, trace = make(max_num_seqs=4)
+    admit(core, "bad")
+    out = schedule(core)
+    [deliver] = core.payload_rejected(out, "UnicodeEncodeError: surrogates not allowed", 2.0)
+    assert isinstance(deliver, DeliverTerminal)
+    assert deliver.output.error_type == PAYLOAD_REJECTED == "InvalidRequestError"
+    assert "cannot be sent to the workers" in (deliver.output.error or "")
+    assert core.group is GroupState.RUNNING and core.health().healthy
+    assert_clean(core, trace)
+
+
+def test_a_wave_whose_payload_cannot_be_sent_is_split_into_solo_runs() -> None:
+    core, trace = make(max_num_seqs=4)
+    for rid in ("a", "bad", "c"):
+        admit(core, rid)
+    out = schedule(core)
+    assert out.scheduled_request_ids == ("a", "bad", "c")
+    assert core.payload_rejected(out, "TypeError: cannot encode", 2.0) == []
+    alone = schedule(core, 3.0)
+    assert alone.scheduled_request_ids == ("a",)
+    done = core.runner_output(alone, result(RunnerOutput("a", images=["img"])), 4.0)
+    assert terminals(done) == {"a": S.FINISHED_COMPLETED}
+    bad = schedule(core, 5.0)
+    assert bad.scheduled_request_ids == ("bad",)
+    [deliver] = core.payload_rejected(bad, "TypeError: cannot encode", 6.0)
+    assert deliver.output.error_type == "InvalidRequestError"
+    assert schedule(core, 7.0).scheduled_request_ids == ("c",)
+    assert_clean(core, trace)
+
+
+def test_in_step_mode_a_rejected_payload_leaves_the_running_batch_as_it_was() -> None:
+    core, trace = make(max_num_seqs=4, step_execution=True)
+    admit(core, "a", num_inference_steps=3)
+    first = schedule(core)
+    core.runner_output(first, result(RunnerOutput("a", step_index=1, finished=False)), 2.0)
+    admit(core, "bad", now=2.0, num_inference_steps=3)
+    tick = schedule(core, 3.0)
+    assert tick.scheduled_cached_reqs == ("a",)
+    assert [d.request_id for d in tick.scheduled_new_reqs] == ["bad"]
+    [deliver] = core.payload_rejected(tick, "TypeError: cannot encode", 4.0)
+    assert deliver.request_id == "bad"
+    again = schedule(core, 5.0)
+    assert again.scheduled_cached_reqs == ("a",) and not again.scheduled_new_reqs
+    state = core.scheduler.get_request_state("a")
+    assert state is not None and state.num_computed_steps == 1
     assert_clean(core, trace)
 
 

@@ -150,6 +150,56 @@ def test_overlong_prompt() -> None:
     assert "101" in msg and "100" in msg
 
 
+@pytest.mark.parametrize(
+    ("prompt", "what"),
+    [
+        ("\ud800", "lone surrogate U+D800 at index 0"),
+        ("a cat \udfff", "lone surrogate U+DFFF at index 6"),
+        ("a\x00cat", "control character U+0000 at index 1"),
+        ("a cat\x1b[31m", "control character U+001B at index 5"),
+        ("a\x85cat", "control character U+0085 at index 1"),
+    ],
+    ids=repr,
+)
+def test_prompt_that_cannot_be_carried(prompt: str, what: str) -> None:
+    """A lone surrogate cannot be encoded as UTF-8 (it once crashed the worker group in the
+    engine's encoder); control characters have no place in a prompt.  Both are rejected at
+    admission, naming the character and where it is."""
+    msg = assert_rejected(make_request(prompt=prompt), "prompt")
+    assert what in msg
+
+
+def test_prompt_whitespace_and_any_printable_text_pass() -> None:
+    for prompt in ("a cat\non a mat\tat noon\r\n", "\U0001f408 ein Kätzchen, 猫", "a" * 100):
+        validate_request(make_request(prompt=prompt), LIMITS)
+
+
+def test_negative_prompt_is_held_to_the_prompt_rules() -> None:
+    assert "lone surrogate" in assert_rejected(
+        make_request(negative_prompt="blurry \ud83d"), "negative_prompt"
+    )
+    assert "101" in assert_rejected(make_request(negative_prompt="x" * 101), "negative_prompt")
+    assert "control character" in assert_rejected(
+        make_request(negative_prompt="\x07"), "negative_prompt"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"style": "\ud800"}, {"\udc80": 1}, {"faults": [{"kind": "x\ud800"}]}, {"a": ("\ud800",)}],
+    ids=repr,
+)
+def test_extra_args_strings_must_be_encodable(extra: dict[str, Any]) -> None:
+    assert "lone surrogate" in assert_rejected(make_request(extra_args=extra), "extra_args")
+
+
+def test_extra_args_nesting_is_bounded() -> None:
+    deep: Any = "leaf"
+    for _ in range(40):
+        deep = [deep]
+    assert "deeper than" in assert_rejected(make_request(extra_args={"x": deep}), "extra_args")
+
+
 def test_non_sampling_params() -> None:
     req = DiffusionRequest("a cat", {"height": 64}, request_id="r1")  # type: ignore[arg-type]
     assert_rejected(req, "sampling")

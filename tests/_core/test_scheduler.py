@@ -957,3 +957,45 @@ def test_aborting_every_waiting_request_ends_the_wait() -> None:
     assert sched.admission_wait(10.0) == 10.0 + 0.05
     sched.finish_requests("r1", S.FINISHED_ABORTED, 10.01)
     assert sched.admission_wait(10.01) is None
+
+
+@both_modes
+def test_a_solo_request_never_shares_a_wave(cls: SchedulerType) -> None:
+    """A suspect (``solo``, after its group failed under it) runs alone: it joins no
+    running batch, and nothing joins it."""
+    sched = cls(max_num_seqs=4)
+    add_all(sched, "a", "suspect", "c", "d")
+    state = sched.get_request_state("suspect")
+    assert state is not None
+    state.solo = True
+    first = sched.schedule(1.0)
+    assert first.scheduled_request_ids == ("a",)  # the suspect does not join a
+    sched.update_from_output(first, batch(done("a")), 2.0)
+    alone = sched.schedule(3.0)
+    assert alone.scheduled_request_ids == ("suspect",)  # and c does not join the suspect
+    sched.update_from_output(alone, batch(done("suspect")), 4.0)
+    assert sched.schedule(5.0).scheduled_request_ids == ("c", "d")
+
+
+def test_a_solo_request_waits_for_the_packing_ones_and_nothing_starts_while_it_packs() -> None:
+    sched = RequestScheduler(max_num_seqs=4)
+    add_all(sched, "a", "suspect", "c")
+    suspect = sched.get_request_state("suspect")
+    assert suspect is not None
+    suspect.solo = True
+    first = sched.schedule(1.0)
+    assert first.scheduled_request_ids == ("a",)
+    sched.update_from_output(first, batch(RunnerOutput("a", async_output_id="k/a")), 2.0)
+    assert sched.num_packing == 1
+    assert not sched.has_schedulable_work()  # the suspect waits for a's packing
+    assert sched.schedule(2.5).is_empty
+    sched.finish_requests("a", S.FINISHED_COMPLETED, 3.0)
+    assert sched.has_schedulable_work()
+    alone = sched.schedule(3.5)
+    assert alone.scheduled_request_ids == ("suspect",)
+    sched.update_from_output(
+        alone, batch(RunnerOutput("suspect", async_output_id="k/suspect")), 4.0
+    )
+    assert not sched.has_schedulable_work()  # c waits while the suspect packs
+    sched.finish_requests("suspect", S.FINISHED_COMPLETED, 5.0)
+    assert sched.schedule(6.0).scheduled_request_ids == ("c",)

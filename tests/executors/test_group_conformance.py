@@ -101,14 +101,16 @@ def group(engine: AsyncEngine) -> GroupExecutor:
 async def fails_twice_then_serves(
     engine: AsyncEngine, faulty: SamplingParams, *, names: str
 ) -> RequestFailedError:
-    """Run a request whose fault fires on every attempt: it fails (retryable) after its
-    group failed twice (the first run and the retry); the engine is ready again and serves
-    a clean request; every process of the failed groups is gone.  Returns the failure."""
+    """Run a request whose fault fires on every attempt: its group fails twice (the first
+    run and the retry), then it is quarantined (failed for good, not retryable); the engine
+    is ready again and serves a clean request; every process of the failed groups is gone.
+    Returns the failure."""
     first = list(group(engine).worker_pids().values())
     with pytest.raises(RequestFailedError) as info:
         await engine.generate("p", faulty, request_id="faulty")
     error = info.value
-    assert error.error_type == "WorkerFailedError" and error.retryable, error
+    assert error.quarantined and not error.retryable, error
+    assert error.error_type == "RequestQuarantinedError", error
     assert names in str(error), error
     await poll_until(lambda: engine.health().healthy)
     health = engine.health()
@@ -157,10 +159,14 @@ async def test_a_worker_that_exits_mid_forward_fails_the_group(
             await fails_twice_then_serves(engine, crash, names="WorkerDied")
 
 
-async def test_a_hung_worker_is_killed_not_asked(backend: str, cache_dir: Path) -> None:
+async def test_a_hung_worker_is_killed_not_asked(
+    backend: str, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A forward stuck in the worker makes no step progress: the group fails closed with a
     StallError and the hung worker is killed at once (a failed group is never asked to stop,
-    so the 10 s close timeout is never waited for)."""
+    so the 10 s close timeout is never waited for).  The supervisor sees that StallError,
+    not an error of the teardown (tractor once raised ClosedResourceError out of its runtime
+    when a killed worker's channel was closed under it)."""
     hang = with_faults(params(4), FaultSpec(Fault.HANG_AT_STEP, step=1))
     with trio.fail_after(CAP_S):
         async with engine_on(backend, cache_dir) as engine:
@@ -175,6 +181,13 @@ async def test_a_hung_worker_is_killed_not_asked(backend: str, cache_dir: Path) 
                 nursery.start_soon(note_failure, group(engine))
                 error = await fails_twice_then_serves(engine, hang, names="stalled")
             assert "no step progress" in str(error) or "no progress" in str(error)
+            supervisor_saw = [
+                r.getMessage()
+                for r in caplog.records
+                if "child worker-group failed" in r.getMessage()
+            ]
+            assert len(supervisor_saw) == 2, supervisor_saw
+            assert all("StallError" in message for message in supervisor_saw), supervisor_saw
             # Killed, not asked: gone well within the close timeout of its failure.
             with trio.fail_after(5.0):
                 await wait_until_gone([pid], timeout=5.0)
@@ -221,3 +234,78 @@ async def test_a_broken_device_fails_the_group_closed(backend: str, cache_dir: P
         async with engine_on(backend, cache_dir) as engine:
             error = await fails_twice_then_serves(engine, poisoned, names="DeviceFaultError")
             assert "failed its probe" in str(error)
+
+
+async def test_a_poison_prompt_is_quarantined_and_its_bystanders_finish(
+    backend: str, cache_dir: Path
+) -> None:
+    """A prompt that crashes the worker whenever it runs (a model bug one input triggers),
+    fused with innocent requests: the group fails once under all of them, then each runs
+    alone; the poison request's second crash quarantines it (no crash loop) and every
+    bystander completes with its own picture."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(
+            backend,
+            cache_dir,
+            max_num_seqs=4,
+            request_batch_max_wait_ms=200.0,
+            model_options={"fault_crash_on_prompt": "poison"},
+        ) as engine:
+            results: dict[str, Any] = {}
+
+            async def run(rid: str, prompt: str, seed: int) -> None:
+                try:
+                    results[rid] = await engine.generate(prompt, params(seed=seed), request_id=rid)
+                except RequestFailedError as exc:
+                    results[rid] = exc
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "poison", "a poison pill", 1)
+                for index in range(3):
+                    nursery.start_soon(run, f"b{index}", "p", 10 + index)
+            await poll_until(lambda: engine.health().healthy)
+            health = engine.health()
+    poison = results["poison"]
+    assert isinstance(poison, RequestFailedError) and poison.quarantined, poison
+    assert "quarantined" in str(poison) and "WorkerDied" in str(poison)
+    for index in range(3):
+        out = results[f"b{index}"]
+        assert not isinstance(out, Exception), out
+        assert decode_echo_image(out.images[0]) == (f"b{index}", 10 + index, 0)
+    assert health.restarts == 2, health  # once under the wave, once under the poison alone
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+# tractor only: a Ray actor that dies while starting fails its start call already, and the
+# deadline is the GroupExecutor's, the same for every backend.
+@pytest.mark.parametrize("backend", ["tractor"])
+async def test_a_restart_whose_worker_dies_or_hangs_while_starting_is_retried(
+    backend: str, cache_dir: Path, tmp_path: Path, fault: str
+) -> None:
+    """A worker that dies while it loads the model (an OOM kill) or never becomes ready
+    fails its group's start, which health reports and the supervisor retries; once the
+    cause is gone (the flag file removed) the next start serves.  Before, the pid watch
+    was armed only after ready and the start had no deadline: the engine waited for ever,
+    healthy-looking."""
+    flag = tmp_path / "start-fault"
+    option = "fault_exit_on_load" if fault == "exit" else "fault_hang_on_load"
+    with trio.fail_after(CAP_S):
+        async with engine_on(
+            backend,
+            cache_dir,
+            worker_start_timeout_s=2.0,
+            worker_restart_backoff_s=0.5,
+            model_options={option: str(flag)},
+        ) as engine:
+            (pid,) = group(engine).worker_pids().values()
+            flag.touch()
+            os.kill(pid, signal.SIGKILL)
+            expected = "while starting" if fault == "exit" else "start stalled"
+            await poll_until(lambda: expected in (engine.health().last_failure or ""))
+            health = engine.health()
+            assert not health.healthy and health.state == "restarting", health
+            flag.unlink()
+            await poll_until(lambda: engine.health().healthy)
+            out = await engine.generate("p", params(seed=4), request_id="after")
+            assert decode_echo_image(out.images[0]) == ("after", 4, 0)
+            assert engine.health().restarts >= 2

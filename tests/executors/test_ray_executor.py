@@ -106,6 +106,21 @@ def test_actor_env_forwards_our_settings_never_device_visibility_or_ranks() -> N
     assert actor_env({"OMP_WAIT_POLICY": "ACTIVE"}, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_actor_env_never_carries_a_secret() -> None:
+    secrets = {
+        "OMNI_TRIO_API_KEY": "sk-daemon",
+        "HF_TOKEN": "hf_x",
+        "HUGGING_FACE_HUB_TOKEN": "hf_y",
+        "HF_API_TOKEN": "hf_z",
+        "OMNI_TRIO_DB_PASSWORD": "p",
+        "HF_HUB_AUTH": "a",
+        "TORCH_SECRET_THING": "s",
+    }
+    env = actor_env({**secrets, "OMNI_TRIO_CACHE": "/c"}, torch_threads=1)
+    assert not set(secrets) & set(env), env
+    assert env["OMNI_TRIO_CACHE"] == "/c"
+
+
 @pytest.mark.parametrize(
     ("address", "loopback"),
     [

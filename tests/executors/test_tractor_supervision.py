@@ -134,10 +134,11 @@ async def test_a_crash_while_outputs_are_packed_requeues_them(cache_dir: Any) ->
     assert list_our_segments() == []
 
 
-async def test_retries_exhausted_end_with_a_retryable_error_and_nothing_hangs(
+async def test_a_request_that_crashes_every_attempt_is_quarantined_and_nothing_hangs(
     cache_dir: Any,
 ) -> None:
-    # The crash fault fires on every attempt: the first run and its one retry both die.
+    # The crash fault fires on every attempt: the first run and its one retry both die, and
+    # the second death quarantines it (not retryable: it would crash the workers again).
     crash = with_faults(params(4, seed=1), FaultSpec(Fault.CRASH_AT_STEP, step=1))
     with trio.fail_after(CAP_S):
         async with engine_on(
@@ -146,7 +147,7 @@ async def test_retries_exhausted_end_with_a_retryable_error_and_nothing_hangs(
             assert (await engine.generate("p", params(2, seed=5), request_id="fine")).ok
             with pytest.raises(RequestFailedError) as info:
                 await engine.generate("p", crash, request_id="doomed")
-            assert info.value.error_type == "WorkerFailedError" and info.value.retryable
+            assert info.value.quarantined and not info.value.retryable
             assert "exit code 3" in info.value.error
             await poll_until(lambda: engine.health().healthy)
             assert (await engine.generate("p", params(2, seed=2), request_id="after")).ok
@@ -183,6 +184,7 @@ async def test_past_the_restart_limit_the_engine_is_dead_and_says_why(cache_dir:
             cache_dir,
             max_worker_restarts=1,
             max_retries_on_worker_failure=5,
+            quarantine_after_crashes=None,
             worker_restart_backoff_s=0.0,
         ) as engine:
             stream = engine.stream("p", slow(seed=1, steps=200), request_id="victim")
@@ -208,8 +210,9 @@ async def test_repeated_sigkills_under_load_lose_no_request(
     cache_dir: Any, start_method: str
 ) -> None:
     """A short version of the soak in ``omni-trio bench recovery``: kill the worker three
-    times while requests keep coming; every request completes or ends with an explicit,
-    retryable error, and nothing leaks."""
+    times while requests keep coming; every request completes or ends with an explicit
+    error (retryable, or quarantined when it was killed on both of its runs), and nothing
+    leaks."""
     trace = TraceRecorder()
     with trio.fail_after(CAP_S):
         async with engine_on(
@@ -242,7 +245,7 @@ async def test_repeated_sigkills_under_load_lose_no_request(
             assert len(outcomes) == 18
             for rid, result in outcomes.items():
                 if isinstance(result, RequestFailedError):
-                    assert result.retryable, rid
+                    assert result.retryable or result.quarantined, rid
                 else:
                     assert result.ok, rid
             assert engine.statistics().restarts == 3

@@ -130,7 +130,10 @@ async def test_the_restart_waits_the_backoff_and_the_backoff_grows(
     script = CrashScript(crash_on_forwards={1, 2, 3})
     with trio.fail_after(CAP_S):
         async with supervised_engine(
-            script, max_retries_on_worker_failure=5, worker_restart_backoff_s=0.5
+            script,
+            max_retries_on_worker_failure=5,
+            quarantine_after_crashes=None,
+            worker_restart_backoff_s=0.5,
         ) as engine:
             started = trio.current_time()
             out = await engine.generate("p", params(seed=1), request_id="r")
@@ -145,12 +148,32 @@ async def test_retries_exhausted_end_the_request_with_a_retryable_error(
 ) -> None:
     script = CrashScript(crash_on_forwards={1, 2})
     with trio.fail_after(CAP_S):
-        async with supervised_engine(script, max_retries_on_worker_failure=1) as engine:
+        async with supervised_engine(
+            script, max_retries_on_worker_failure=1, quarantine_after_crashes=3
+        ) as engine:
             with pytest.raises(RequestFailedError) as info:
                 await engine.generate("p", params(seed=1), request_id="r")
             assert info.value.error_type == "WorkerFailedError" and info.value.retryable
             assert "retries exhausted" in info.value.error
             # The engine itself is fine: the next request runs on the third group.
+            await wait_for(lambda: engine.health().healthy)
+            assert (await engine.generate("p", params(seed=2), request_id="next")).ok
+            stats = engine.statistics()
+            assert (stats.restarts, stats.requeued, stats.finished_error) == (2, 1, 1)
+
+
+async def test_a_request_its_group_failed_under_twice_is_quarantined(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Default quarantine_after_crashes=2: the second group failure under the same request
+    (running alone by then) fails it for good, not retryable, though retries are left."""
+    script = CrashScript(crash_on_forwards={1, 2})
+    with trio.fail_after(CAP_S):
+        async with supervised_engine(script, max_retries_on_worker_failure=5) as engine:
+            with pytest.raises(RequestFailedError) as info:
+                await engine.generate("p", params(seed=1), request_id="r")
+            assert info.value.quarantined and not info.value.retryable
+            assert "failed each of the 2 times it ran" in info.value.error
             await wait_for(lambda: engine.health().healthy)
             assert (await engine.generate("p", params(seed=2), request_id="next")).ok
             stats = engine.statistics()
@@ -188,9 +211,11 @@ async def test_waiting_requests_stay_queued_through_a_restart_in_order(
             assert second.batches == [("r0",), ("r1",), ("r2",), ("r3",)]
 
 
-async def test_a_whole_wave_is_requeued_in_its_order(
+async def test_a_whole_wave_is_requeued_in_its_order_each_request_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """The failed wave's requests are suspects now: each runs alone (so a poison one among
+    them cannot take the others down again), in their order."""
     script = CrashScript(crash_on_forwards={1})
     with trio.fail_after(CAP_S):
         async with supervised_engine(script, max_num_seqs=3) as engine:
@@ -198,7 +223,7 @@ async def test_a_whole_wave_is_requeued_in_its_order(
             for stream in streams:
                 async with stream:
                     assert [o.ok async for o in stream] == [True]
-            assert script.groups[1].batches == [("w0", "w1", "w2")]
+            assert script.groups[1].batches == [("w0",), ("w1",), ("w2",)]
 
 
 async def test_past_the_restart_limit_the_engine_is_dead_and_says_why(
@@ -208,7 +233,11 @@ async def test_past_the_restart_limit_the_engine_is_dead_and_says_why(
     trace = TraceRecorder()
     with trio.fail_after(CAP_S):
         async with supervised_engine(
-            script, trace, max_worker_restarts=2, max_retries_on_worker_failure=10
+            script,
+            trace,
+            max_worker_restarts=2,
+            max_retries_on_worker_failure=10,
+            quarantine_after_crashes=None,
         ) as engine:
             waiting = engine.stream("p", params(), request_id="waiting")
             with pytest.raises(EngineDeadError, match="RestartLimitError") as info:

@@ -179,6 +179,95 @@ async def test_the_openai_sdk_generates_and_reads_our_errors(server: Server) -> 
     assert out["missing"].body["code"] == "model_not_found"
 
 
+# -- poison requests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["inproc", "tractor"])
+async def test_a_prompt_that_cannot_be_encoded_is_a_400_and_harms_nothing(backend: str) -> None:
+    """A lone surrogate (valid JSON, no valid UTF-8) once crashed the tractor worker group
+    in the engine's encoder, again and again as it was requeued; it is a 400 at admission."""
+    overrides: dict[str, Any] = {"backend": backend}
+    if backend == "tractor":
+        overrides["worker_start_method"] = "forkserver"
+    with trio.fail_after(CAP_S):
+        async with run_server(**overrides) as server, server.client() as client:
+            for raw, what in (
+                (b'"a \\ud800 fox"', "lone surrogate U+D800"),
+                (b'"\\u0000"', "U+0000"),
+            ):
+                r = await client.post(
+                    GEN,
+                    content=b'{"prompt": ' + raw + b', "size": "64x64"}',
+                    headers={"content-type": "application/json"},
+                )
+                error = assert_envelope(r, 400, param="prompt")
+                assert what in error["message"]
+            ok = await generate(client, headers={"X-Request-Id": "after"})
+            assert ok.status_code == 200
+            assert decode_b64(ok.json()["data"][0]["b64_json"])[1][0] == "after"
+            assert server.engine().health().restarts == 0
+
+
+async def test_a_poison_prompt_is_quarantined_and_the_sdk_does_not_resend_it() -> None:
+    """A prompt that crashes the worker process whenever it runs: it takes its group down
+    twice (the second time running alone), then it is quarantined: a 500 that says not to
+    retry (``x-should-retry: false``), so the official client sends it once; the requests
+    beside it are served."""
+    with trio.fail_after(CAP_S * 2):
+        async with run_server(
+            backend="tractor",
+            worker_start_method="forkserver",
+            fault_injection=True,
+            worker_restart_backoff_s=0.0,
+            max_num_seqs=4,
+            request_batch_max_wait_ms=200.0,
+            model_options={"step_delay_s": STEP_DELAY_S, "fault_crash_on_prompt": "poison"},
+        ) as server:
+
+            def sdk_call() -> openai.APIStatusError:
+                with openai.OpenAI(
+                    base_url=f"{server.url}/v1", api_key="unused", max_retries=2, timeout=30
+                ) as sdk:
+                    with pytest.raises(openai.APIStatusError) as info:
+                        sdk.images.generate(
+                            model=MODEL,
+                            prompt="a poison pill",
+                            size="64x64",
+                            extra_headers={"X-Request-Id": "poison"},
+                        )
+                    return info.value
+
+            answers: dict[str, Any] = {}
+
+            async def bystander(index: int) -> None:
+                async with server.client(timeout=30.0) as client:
+                    answers[f"b{index}"] = await generate(
+                        client, headers={"X-Request-Id": f"b{index}"}
+                    )
+
+            async def poison() -> None:
+                answers["poison"] = await trio.to_thread.run_sync(sdk_call)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(poison)
+                for index in range(3):
+                    nursery.start_soon(bystander, index)
+            error = answers["poison"]
+            assert error.status_code == 500
+            assert error.response.headers["x-should-retry"] == "false"
+            assert error.body["code"] == "request_quarantined"
+            for index in range(3):
+                r = answers[f"b{index}"]
+                assert r.status_code == 200, r.text
+                assert decode_b64(r.json()["data"][0]["b64_json"])[1][0] == f"b{index}"
+            await wait_until(lambda: server.engine().health().healthy)
+            async with server.client() as client:
+                assert (await client.get("/health")).status_code == 200
+            assert server.engine().health().restarts == 2
+    sent = [x for x in server.records if x["request_id"] == "poison"]
+    assert len(sent) == 1, sent  # the SDK did not resend it
+
+
 # -- streaming ------------------------------------------------------------------------------
 
 

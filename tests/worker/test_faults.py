@@ -663,6 +663,28 @@ def test_fail_warmup_needs_fault_injection_and_unknown_fault_options_are_refused
         w.shutdown()
 
 
+# -- crash_on_prompt (a poison prompt) ------------------------------------------------------
+
+
+def test_a_poison_prompt_plans_a_crash_at_its_first_step_every_time() -> None:
+    injector = FaultInjector(enabled=True, crash_on_prompt="poison")
+    poison = request("x").replace(prompt="a poison pill")
+    for _ in range(2):  # however often it is run
+        plan = injector.plan([poison, request("clean")])
+        assert plan.faults_for("x") == (FaultSpec(Fault.CRASH_AT_STEP, step=0),)
+        assert plan.faults_for("clean") == ()
+    assert not FaultInjector(enabled=False, crash_on_prompt="poison").plan([poison])
+
+
+def test_a_poison_prompt_crashes_an_in_process_worker(cache_dir: Path) -> None:
+    w = make_worker(cache_dir, model_options={"fault_crash_on_prompt": "poison"})
+    try:
+        with pytest.raises(WorkerCrashInjected):
+            w.execute_scheduler_output(wave(request("x").replace(prompt="poison")))
+    finally:
+        w.shutdown()
+
+
 # -- the inproc executor fails closed -------------------------------------------------------
 
 
