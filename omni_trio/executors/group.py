@@ -28,9 +28,10 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -55,6 +56,7 @@ from .base import Executor
 from .result_pump import ResultPump, register_async_outputs
 
 __all__ = [
+    "SECRET_ENV_WORDS",
     "STARTED",
     "Deliver",
     "EXIT_GRACE_S",
@@ -67,6 +69,8 @@ __all__ = [
     "Transport",
     "WireMessage",
     "exit_status",
+    "is_secret_env_name",
+    "secrets_hidden",
     "wire_config",
 ]
 
@@ -82,6 +86,35 @@ KILL_WAIT_S = 10.0
 # A rank's channel ended: how long its process may take to be seen gone (then the exit,
 # with its status, is the group's failure rather than the channel).
 EXIT_GRACE_S = 1.0
+
+
+# Words that make an environment variable a secret (the daemon's API key, hub tokens): a
+# worker process never gets one.
+SECRET_ENV_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def is_secret_env_name(name: str) -> bool:
+    """Whether environment variable ``name`` looks like a credential to keep from workers.
+    Ray's own (``RAY_AUTH_TOKEN``...) are not: Ray's processes need them to reach their
+    cluster, and they grant nothing beyond it."""
+    upper = name.upper()
+    if upper.startswith("RAY_"):
+        return False
+    return any(word in upper for word in SECRET_ENV_WORDS)
+
+
+@contextmanager
+def secrets_hidden(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """Take every secret out of ``environ`` (default ``os.environ``) for the block, so a
+    process started inside it does not inherit one; put them back after.  (The process's
+    environment is shared by its threads: keep the block short.)"""
+    env = os.environ if environ is None else environ
+    hidden = {name: env.pop(name) for name in [n for n in env if is_secret_env_name(n)]}
+    try:
+        yield
+    finally:
+        for name, value in hidden.items():
+            env.setdefault(name, value)
 
 
 def wire_config(config: EngineConfig) -> dict[str, Any]:

@@ -62,6 +62,8 @@ from .group import (
     RankStatus,
     Transport,
     WireMessage,
+    is_secret_env_name,
+    secrets_hidden,
     wire_config,
 )
 
@@ -95,8 +97,8 @@ _FORWARDED_PREFIXES = (
 )
 _NEVER_FORWARDED_PREFIXES = ("TORCHELASTIC_",)
 # Secrets are never copied into an actor (Ray keeps runtime_env in its GCS and shows it in its
-# dashboard): the daemon's API key, hub tokens, anything named like a credential.
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+# dashboard): the daemon's API key, hub tokens, anything named like a credential
+# (is_secret_env_name).
 _NEVER_FORWARDED = frozenset(
     {
         "CUDA_VISIBLE_DEVICES",
@@ -127,7 +129,7 @@ def actor_env(environ: Mapping[str, str], torch_threads: int) -> dict[str, str]:
         if key.startswith(_FORWARDED_PREFIXES)
         and key not in _NEVER_FORWARDED
         and not key.startswith(_NEVER_FORWARDED_PREFIXES)
-        and not any(word in key.upper() for word in _SECRET_WORDS)
+        and not is_secret_env_name(key)
     }
     env["OMP_NUM_THREADS"] = str(torch_threads)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -296,7 +298,9 @@ class RayTransport(Transport):
         from ..worker.ray_actor import CONTROL_CONCURRENCY, CONTROL_GROUP, RayWorker
 
         self._token = trio.lowlevel.current_trio_token()
-        ray = self._ray = await trio.to_thread.run_sync(ensure_ray, config.ray_address)
+        # A local Ray started here passes its environment to every worker it spawns.
+        with secrets_hidden():
+            ray = self._ray = await trio.to_thread.run_sync(ensure_ray, config.ray_address)
         actor_class = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(RayWorker)
         n = config.num_workers
         bundle = self._bundle(ray, config)

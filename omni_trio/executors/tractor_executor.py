@@ -46,7 +46,7 @@ import trio.testing
 from .._core.messages import WorkerAbort, WorkerCall
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidConfigError, WorkerError
-from ..ipc import SegmentRegistry
+from ..ipc import SegmentRegistry, owner_tag, sweep_orphans
 from ._process import wait_exited as _wait_exited
 from .group import (
     KILL_WAIT_S,
@@ -58,6 +58,7 @@ from .group import (
     RankStatus,
     Transport,
     exit_status,
+    secrets_hidden,
 )
 
 __all__ = ["FORKSERVER_PRELOAD", "TractorExecutor", "TractorTransport"]
@@ -279,6 +280,9 @@ class TractorTransport(Transport):
         self._links: dict[int, _WorkerLink] = {}
         self._actors: Any = None
         self._tag = secrets.token_hex(3)
+        # The engine process owns its workers' segments: a SIGKILLed engine's leftovers are
+        # found by this tag and swept by the next start (sweep_orphans).
+        self._owner = owner_tag()
         # This group's own tractor registry (arbiter) address, chosen when ``open`` starts:
         # a free loopback port, never tractor's global default 1616, so two engines in one
         # host (or one process) never join each other's tree.
@@ -287,7 +291,7 @@ class TractorTransport(Transport):
         self._world_size = 0
 
     def shm_tag(self, rank: int) -> str:
-        return f"w{rank}{self._tag}"
+        return f"{self._owner}w{rank}{self._tag}"
 
     @asynccontextmanager
     async def open(
@@ -298,6 +302,10 @@ class TractorTransport(Transport):
 
         self._world_size = config.num_workers
         start_method = config.worker_start_method
+        # What engines that died without cleaning up (SIGKILL, OOM) left in /dev/shm.
+        orphans = sweep_orphans()
+        if orphans:
+            log.warning("unlinked %d shared-memory segment(s) of dead engines", len(orphans))
         if start_method == "forkserver" and multiprocessing.current_process().name != "MainProcess":
             # tractor 0.1.0a5 starts its fork server only from the main process.
             raise InvalidConfigError(
@@ -373,7 +381,9 @@ class TractorTransport(Transport):
             # After tractor selected the method (it replaced the stdlib's fork server with
             # its own); the env (PYTHONWARNINGS above) is frozen now.
             try:
-                await trio.to_thread.run_sync(_ensure_forkserver, list(FORKSERVER_PRELOAD))
+                # The fork server's environment is every forked worker's: no secrets.
+                with secrets_hidden():
+                    await trio.to_thread.run_sync(_ensure_forkserver, list(FORKSERVER_PRELOAD))
             except (OSError, EOFError) as exc:
                 raise WorkerError(
                     f"the fork server did not start: {exc!r}", error_type="ForkServerError"
@@ -407,9 +417,12 @@ class TractorTransport(Transport):
         rank = init.rank
         ready = trio.Event()
         try:
-            portal = await self._actors.start_actor(
-                f"omni-trio-worker-{rank}-{self._tag}", enable_modules=[WORKER_MODULE]
-            )
+            # A worker inherits the engine's environment, secrets excepted (the API key, hub
+            # tokens): hidden while it is spawned.
+            with secrets_hidden():
+                portal = await self._actors.start_actor(
+                    f"omni-trio-worker-{rank}-{self._tag}", enable_modules=[WORKER_MODULE]
+                )
             # Watched from the moment it is spawned: a worker that dies while it loads the
             # model (an OOM kill) fails the start instead of leaving it waiting for ever.
             spawned = self._process_of(portal)

@@ -19,10 +19,12 @@ from .shm import ShmHandle as ShmHandle
 from .shm import ShmKind as ShmKind
 from .shm import discard as discard
 from .shm import list_our_segments as list_our_segments
+from .shm import owner_tag as owner_tag
 from .shm import pack_array as pack_array
 from .shm import pack_image as pack_image
 from .shm import pack_tensor as pack_tensor
 from .shm import payload_nbytes as payload_nbytes
+from .shm import sweep_orphans as sweep_orphans
 from .shm import sweep_segments as sweep_segments
 from .shm import unlink_segment as unlink_segment
 from .shm import unpack as unpack
@@ -45,6 +47,8 @@ __all__ = [
     "pack_image",
     "pack_tensor",
     "payload_nbytes",
+    "owner_tag",
+    "sweep_orphans",
     "sweep_segments",
     "unlink_segment",
     "unpack",

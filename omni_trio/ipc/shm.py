@@ -25,6 +25,9 @@ process with ``SIGBUS`` on the first write to an unbacked page.
 
 Segment names are ``omni_trio_`` + optional ``<tag>_`` + 32 hex digits; :class:`ShmHandle`
 refuses any other name, so a handle from a peer can never make us unlink foreign segments.
+A tag may start with an :func:`owner_tag` (``o<pid>x<start ticks>`` of the process that owns
+the segments' lifetime); :func:`sweep_orphans` unlinks the segments of owners that are gone,
+so what a SIGKILLed engine left is removed by the next start.
 
 torch, numpy and PIL are imported lazily: importing this module stays cheap (a worker module
 that tractor's parent imports must not pull in torch, see notes/tractor-0.1.0a5.md §5 item 4).
@@ -60,10 +63,12 @@ __all__ = [
     "ShmKind",
     "discard",
     "list_our_segments",
+    "owner_tag",
     "pack_array",
     "pack_image",
     "pack_tensor",
     "payload_nbytes",
+    "sweep_orphans",
     "sweep_segments",
     "unlink_segment",
     "unpack",
@@ -245,6 +250,46 @@ def list_our_segments(prefix: str = SHM_PREFIX) -> list[str]:
     if not _SHM_DIR.is_dir():
         return []
     return sorted(p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+_OWNER_RE = re.compile(r"o(\d+)x(\d+)")
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot, /proc), or None if it is gone
+    (or this system has no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``o<pid>x<start ticks>``: names this process (default: the current one) for as long as
+    it lives; a tag that starts with it marks segments :func:`sweep_orphans` may remove once
+    their owner is gone.  (pid alone could be reused by a new process.)"""
+    pid = os.getpid() if pid is None else pid
+    return f"o{pid}x{_start_ticks(pid) or 0}"
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink every segment whose tag starts with an :func:`owner_tag` of a process that is
+    gone (or whose pid now belongs to a process started at another time): what a crashed or
+    SIGKILLed engine left.  Returns the names removed.  Segments without an owner tag are
+    left alone."""
+    removed: list[str] = []
+    for name in list_our_segments():
+        match = _OWNER_RE.match(name, len(SHM_PREFIX))
+        if match is None:
+            continue
+        pid, ticks = int(match.group(1)), int(match.group(2))
+        alive = _start_ticks(pid)
+        if alive is not None and (ticks == 0 or alive == ticks):
+            continue
+        if unlink_segment(name):
+            removed.append(name)
+    return removed
 
 
 def sweep_segments(prefix: str) -> list[str]:

@@ -106,6 +106,25 @@ def is_valid_request_id(value: str) -> bool:
     return _REQUEST_ID.fullmatch(value) is not None
 
 
+# What writing to a client's connection raises when the connection is in trouble (the
+# client closed or reset it while we answered, or the HTTP server's own writer was busy
+# answering it): not a failure of the request.
+_TRANSPORT_ERRORS = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.BusyResourceError,
+    ConnectionError,
+)
+
+
+def _log_safe(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``...): a
+    client's percent-encoded newline must not start a forged line in a text log."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _Disconnected(Exception):
     """The client went away before we could answer."""
 
@@ -181,7 +200,8 @@ class ImagesApp:
     (default: from the request's Host header).  ``log(record)`` receives one dict per
     request: ``request_id``, ``method``, ``path``, ``route``, ``status``, ``outcome``
     (``ok``, ``rejected``, ``error``, ``cancelled``, ``timeout``, ``disconnected``,
-    ``aborted``), ``ms``, ``client`` and, for failures, ``detail`` (server-side only).
+    ``aborted``, ``send_failed``: the answer's status was chosen but writing it failed),
+    ``ms``, ``client`` and, for failures, ``detail`` (server-side only).
     ``log`` may also be a :class:`logging.Logger` (default: ``omni_trio.serve.access``):
     one line per request (INFO; WARNING for 5xx) with the record's fields as ``extra``.
     """
@@ -261,8 +281,16 @@ class ImagesApp:
                 await self._discard_body(ex, receive)
         except Exception as exc:
             ex.detail = f"{type(exc).__name__}: {exc}"
-            _log.exception("request %s (%s %s) failed", ex.request_id, ex.method, ex.path)
-            await self._answer_internal_error(ex, send)
+            if ex.started and isinstance(exc, _TRANSPORT_ERRORS):
+                # The answer (its status already chosen) could not be written out: the
+                # connection's trouble, not a server error.  Keep the status; no traceback.
+                ex.outcome = "send_failed"
+                _log.info("request %s: sending the answer failed: %r", ex.request_id, exc)
+            else:
+                _log.exception(
+                    "request %s (%s %s) failed", ex.request_id, ex.method, _log_safe(ex.path)
+                )
+                await self._answer_internal_error(ex, send)
         finally:
             self._finish(ex)
 
@@ -272,7 +300,7 @@ class ImagesApp:
         record = {
             "request_id": ex.request_id,
             "method": ex.method,
-            "path": ex.path,
+            "path": _log_safe(ex.path),
             "route": ex.route,
             "status": ex.status,
             "outcome": ex.outcome,
@@ -298,6 +326,13 @@ class ImagesApp:
                 ex.request_id = ids[0]
             else:
                 bad_id = path.startswith("/v1/")  # probes and scrapes are never refused
+        if "content-length" in ex.headers and "transfer-encoding" in ex.headers:
+            # RFC 9112 6.3: a request smuggling vector behind a proxy that reads the other one.
+            raise ApiError(
+                400,
+                "a request must not carry both Content-Length and Transfer-Encoding",
+                code="invalid_request",
+            )
         if path.startswith("/v1/") or path == "/metrics":
             self._authenticate(ex)
         if bad_id:
@@ -348,15 +383,25 @@ class ImagesApp:
                 headers=[("Allow", method)],
             )
 
-    def _authenticate(self, ex: _Exchange) -> None:
-        if self._api_key is None:
-            return
+    def _given_key(self, ex: _Exchange) -> bytes:
         values = ex.headers.get("authorization") or []
-        given = b""
         if len(values) == 1:
             scheme, _, token = values[0].partition(" ")
             if scheme.lower() == "bearer":
-                given = token.strip().encode("latin-1")
+                return token.strip().encode("latin-1")
+        return b""
+
+    def _authenticated(self, ex: _Exchange) -> bool:
+        """No key is configured, or the request carries it."""
+        if self._api_key is None:
+            return True
+        given = self._given_key(ex)
+        return bool(given) and hmac.compare_digest(given, self._api_key)
+
+    def _authenticate(self, ex: _Exchange) -> None:
+        if self._api_key is None:
+            return
+        given = self._given_key(ex)
         if not given or not hmac.compare_digest(given, self._api_key):
             message = (
                 "Incorrect API key provided"
@@ -379,12 +424,21 @@ class ImagesApp:
         await self._send_json(ex, send, 200, {"object": "list", "data": [model]})
 
     async def _ready(self, ex: _Exchange, send: Send) -> None:
+        """Readiness.  The details (each replica's state, pids, counts, the last failure's
+        text) only for a caller with the API key, when one is set: probes need the status,
+        not the internals."""
         ready, reason = self.pool.readiness()
+        detailed = self._authenticated(ex)
         if not ready:
+            if not detailed:  # "replica 0: restarting (last failure: ...)" -> "restarting"
+                words = [w.strip(":(") for w in (reason or "").split()]
+                known = ("starting", "restarting", "draining", "failed", "dead", "closed")
+                reason = next((w for w in words if w in known), "unavailable")
             raise _unavailable(f"not ready: {reason}", "not_ready")
-        await self._send_json(
-            ex, send, 200, {"status": "ready", "replicas": self.pool.replicas_info()}
-        )
+        body: dict[str, Any] = {"status": "ready"}
+        if detailed:
+            body["replicas"] = self.pool.replicas_info()
+        await self._send_json(ex, send, 200, body)
 
     async def _cancel(self, ex: _Exchange, send: Send, request_id: str) -> None:
         outcome = self.pool.abort(request_id)

@@ -33,13 +33,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from itertools import count
 from types import TracebackType
 from typing import Any, cast
 
 import trio
 from trio_typing import TaskStatus
 
+from .._core.health import EngineState
 from .._core.messages import DiffusionOutput
 from .._core.request import SamplingParams
 from .._core.trace import TraceRecorder
@@ -89,13 +89,10 @@ class NotReadyError(OmniTrioError):
     """No replica is open and healthy (starting, restarting, or the pool is not serving)."""
 
 
-_ID_PREFIX = secrets.token_hex(4)
-_ID_COUNTER = count(1)
-
-
 def new_request_id() -> str:
-    """A fresh request id, unique in this process (random prefix + counter; no syscall)."""
-    return f"req-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+    """A fresh request id: 128 random bits, so nobody can guess another client's id (to
+    cancel or query its request) or claim the next one."""
+    return f"req-{secrets.token_hex(16)}"
 
 
 class PooledStream:
@@ -340,10 +337,24 @@ class EnginePool:
     def _ready_replicas(self) -> list[_Replica]:
         return [r for r in self._replicas if r.engine is not None and r.engine.health().healthy]
 
+    def _admitting_replicas(self) -> list[_Replica]:
+        """The ready replicas; without any, those whose worker group is restarting: their
+        engine queues what it is given and runs it on the new group (bounded by the
+        request's own timeout), which beats a 503 for a restart of a second or two."""
+        ready = self._ready_replicas()
+        if ready:
+            return ready
+        return [
+            r
+            for r in self._replicas
+            if r.engine is not None and r.engine.health().state == EngineState.RESTARTING
+        ]
+
     def submit(
         self, prompt: str, params: SamplingParams, *, request_id: str | None = None
     ) -> Submission:
-        """Admit a request on the least-loaded ready replica (no checkpoint).
+        """Admit a request on the least-loaded ready replica (no checkpoint); while none is
+        ready, on one whose worker group is restarting (it waits in that engine's queue).
 
         Load is the replica's requests in flight through the pool (each of its waiting and
         running requests has one open stream); ties go to the lowest index.  Raises
@@ -362,10 +373,10 @@ class EnginePool:
         rid = request_id if request_id is not None else new_request_id()
         if rid in self._active:
             raise DuplicateRequestError(rid)
-        ready = self._ready_replicas()
-        if not ready:
+        admitting = self._admitting_replicas()
+        if not admitting:
             raise NotReadyError(self.readiness()[1] or "no replica is ready")
-        replica = min(ready, key=lambda r: (r.in_flight, r.index))
+        replica = min(admitting, key=lambda r: (r.in_flight, r.index))
         assert replica.engine is not None
         inner = replica.engine.stream(prompt, params, request_id=rid)
         stream = PooledStream(inner, replica.index, self._release)

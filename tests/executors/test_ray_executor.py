@@ -36,6 +36,7 @@ from omni_trio import (
 )
 from omni_trio._core.trace import TraceRecorder
 from omni_trio.executors.base import open_executor
+from omni_trio.executors.group import is_secret_env_name, secrets_hidden
 from omni_trio.executors.ray_executor import RayExecutor, _is_loopback_address, actor_env
 from omni_trio.models.echo import decode_echo_image
 from omni_trio.testing import Fault, FaultSpec, assert_trace_ok, with_faults
@@ -104,6 +105,15 @@ def test_actor_env_forwards_our_settings_never_device_visibility_or_ranks() -> N
         "OMP_WAIT_POLICY": "PASSIVE",
     }
     assert actor_env({"OMP_WAIT_POLICY": "ACTIVE"}, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_secrets_are_hidden_only_for_the_block() -> None:
+    env = {"HF_TOKEN": "t", "OMNI_TRIO_API_KEY": "k", "PATH": "/bin"}
+    with secrets_hidden(env):
+        assert env == {"PATH": "/bin"}
+    assert env == {"HF_TOKEN": "t", "OMNI_TRIO_API_KEY": "k", "PATH": "/bin"}
+    assert is_secret_env_name("hf_token") and not is_secret_env_name("HF_HUB_OFFLINE")
+    assert not is_secret_env_name("RAY_AUTH_TOKEN")  # Ray's processes need it
 
 
 def test_actor_env_never_carries_a_secret() -> None:

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -62,7 +63,13 @@ from omni_trio import (
 from omni_trio.executors.inproc import InprocExecutor
 from omni_trio.executors.ray_executor import RayExecutor
 from omni_trio.executors.tractor_executor import TractorExecutor
-from omni_trio.ipc import list_our_segments
+from omni_trio.ipc import (
+    SegmentRegistry,
+    ShmHandle,
+    list_our_segments,
+    owner_tag,
+    pack_tensor,
+)
 from omni_trio.models.echo import (
     ECHO_EXIT_AT_STEP,
     ECHO_EXIT_CODE,
@@ -545,6 +552,42 @@ async def test_a_model_that_fails_to_load_in_the_worker_raises_invalid_config(
             async with engine_on("tractor", cache_dir, model="builtin:nope", num_workers=2):
                 pytest.fail("the engine must not start")  # pragma: no cover
     # The autouse check: no worker process is left.
+
+
+async def test_a_start_sweeps_what_a_sigkilled_engine_left_in_shared_memory(
+    cache_dir: Path,
+) -> None:
+    """Segments carry their engine's owner tag; an engine SIGKILLed with outputs in flight
+    leaves them, and the next tractor start in any process unlinks them."""
+    dead = await trio.lowlevel.open_process([sys.executable, "-c", "pass"])
+    tag = owner_tag(dead.pid)
+    await dead.wait()
+    left = pack_tensor(torch.ones(4), threshold=0, registry=SegmentRegistry(f"{tag}w0ab"))
+    assert isinstance(left, ShmHandle) and left.name in list_our_segments()
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir) as engine:
+            assert left.name not in list_our_segments()
+            tags = {engine.executor.transport.shm_tag(0)}  # type: ignore[attr-defined]
+            assert all(t.startswith(owner_tag()) for t in tags)
+
+
+async def test_workers_never_inherit_a_secret(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's API key and hub tokens stay in the engine process: a worker process's
+    environment (as the kernel shows it) has none, and the engine's own is untouched."""
+    secrets_env = {"OMNI_TRIO_API_KEY": "sk-daemon", "HF_TOKEN": "hf_x", "MY_DB_PASSWORD": "p"}
+    for name, value in secrets_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMNI_TRIO_HARMLESS", "1")
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir, worker_start_method="trio") as engine:
+            (pid,) = engine.executor.worker_pids().values()  # type: ignore[attr-defined]
+            raw = await trio.Path(f"/proc/{pid}/environ").read_bytes()
+    names = {item.split(b"=", 1)[0].decode() for item in raw.split(b"\0") if item}
+    assert not set(secrets_env) & names, names
+    assert "OMNI_TRIO_HARMLESS" in names
+    assert {name: os.environ[name] for name in secrets_env} == secrets_env
 
 
 # ---------------------------------------------------------------------------------------

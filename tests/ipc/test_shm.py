@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -19,10 +21,12 @@ from omni_trio.ipc import (
     ShmHandle,
     discard,
     list_our_segments,
+    owner_tag,
     pack_array,
     pack_image,
     pack_tensor,
     payload_nbytes,
+    sweep_orphans,
     sweep_segments,
     unlink_segment,
     unpack,
@@ -316,6 +320,32 @@ def test_registry_sweep_unlinks_segments_the_dead_peer_created() -> None:
     with pytest.raises(ValueError, match="tag"):
         SegmentRegistry("Bad-Tag")
     worker_side.unlink_all()
+
+
+def test_sweep_orphans_unlinks_the_segments_of_dead_owners_only() -> None:
+    """A SIGKILLed engine cleans nothing up; its segments carry its owner tag (pid and start
+    time), so the next start removes them, and never a live owner's or an untagged one."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_tag = owner_tag(dead.pid)
+    dead.wait()
+    mine = to_shm(torch.ones(2), registry=SegmentRegistry(f"{owner_tag()}w0ab"))
+    # A live pid whose start time differs: the pid was reused by another process.
+    reused = to_shm(torch.ones(2), registry=SegmentRegistry(f"o{os.getpid()}x1w0ab"))
+    orphans = {
+        to_shm(torch.ones(2), registry=SegmentRegistry(f"{dead_tag}w{rank}ab")).name
+        for rank in range(2)
+    }
+    untagged = to_shm(torch.ones(2))
+    try:
+        assert owner_tag() == owner_tag(os.getpid()) and owner_tag().startswith(f"o{os.getpid()}x")
+        removed = set(sweep_orphans())
+        assert removed == orphans | {reused.name}
+        left = set(list_our_segments())
+        assert mine.name in left and untagged.name in left
+        assert sweep_orphans() == []
+    finally:
+        for handle in (mine, untagged):
+            discard(handle)
 
 
 def test_registry_prunes_consumed_names() -> None:

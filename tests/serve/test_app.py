@@ -529,7 +529,10 @@ async def test_probes_replace_a_bad_request_id(server: Server) -> None:
 
 async def test_api_key() -> None:
     with trio.fail_after(CAP_S):
-        async with run_server(api_key="sekrit") as server, server.client() as client:
+        async with (
+            run_server(api_key="sekrit", worker_restart_backoff_s=1.0) as server,
+            server.client() as client,
+        ):
             good = {"Authorization": "Bearer sekrit"}
             for headers in (
                 {},
@@ -548,7 +551,20 @@ async def test_api_key() -> None:
             assert_envelope(await client.get("/metrics"), 401)
             assert (await client.get("/metrics", headers=good)).status_code == 200
             assert (await client.get("/health")).status_code == 200
-            assert (await client.get("/ready")).status_code == 200
+            # /ready stays open for probes, but its details (pids, counts, failure text)
+            # need the key.
+            open_ready = await client.get("/ready")
+            assert open_ready.status_code == 200 and open_ready.json() == {"status": "ready"}
+            keyed = (await client.get("/ready", headers=good)).json()
+            assert keyed["status"] == "ready" and keyed["replicas"][0]["state"] == "ready"
+            server.engine().executor.fail(WorkerError("secret failure text /srv/x"))
+            await wait_until(lambda: server.engine().health().state == "restarting")
+            r = await client.get("/ready")  # within the restart's 1 s backoff
+            error = assert_envelope(r, 503, code="not_ready")
+            assert "secret" not in r.text and error["message"] == "not ready: restarting"
+            keyed_503 = await client.get("/ready", headers=good)
+            assert "secret failure text" in keyed_503.text
+            await wait_until(lambda: server.engine().health().healthy)
             assert (await client.get("/v1/models", headers=good)).status_code == 200
             lower = {"Authorization": "bearer sekrit"}
             assert (await generate(client, headers=lower)).status_code == 200
@@ -631,7 +647,36 @@ async def test_every_request_gets_one_access_record(server: Server) -> None:
         assert (lost["route"], lost["status"], lost["outcome"]) == ("unknown", 404, "rejected")
 
 
+async def test_an_encoded_newline_in_the_url_cannot_forge_a_log_line(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await client.get(
+                "/nope%0A127.0.0.1%20GET%20/admin%20200%1b[2J", headers={"X-Request-Id": "forge"}
+            )
+            assert r.status_code == 404
+        await wait_until(lambda: any(x["request_id"] == "forge" for x in server.records))
+    (record,) = [x for x in server.records if x["request_id"] == "forge"]
+    assert record["path"].isprintable() and "\n" not in record["path"]
+    assert record["path"] == "/nope\\n127.0.0.1 GET /admin 200\\x1b[2J"
+
+
 # -- failures -------------------------------------------------------------------------------
+
+
+async def test_a_request_during_a_worker_restart_waits_for_the_new_group() -> None:
+    """While the only replica's worker group restarts, a new generation is queued in its
+    engine and served by the new group, not answered 503 (as docs/supervision.md says)."""
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(worker_restart_backoff_s=1.0) as server,
+            server.client() as client,
+        ):
+            server.engine().executor.fail(WorkerError("killed by the test"))
+            await wait_until(lambda: server.engine().health().state == "restarting")
+            r = await generate(client, headers={"X-Request-Id": "during"})
+            assert r.status_code == 200, r.text
+            assert decode_b64(r.json()["data"][0]["b64_json"])[1][0] == "during"
+            assert server.engine().health().restarts == 1
 
 
 async def test_a_failed_request_is_a_500_without_internals(
@@ -986,6 +1031,64 @@ CORPUS: list[tuple[str, str, str, Any, Any, int, Any, Any]] = [
     ("post health", "POST", "/health", b"{}", J, 405, None, "method_not_allowed"),
     ("delete metrics", "DELETE", "/metrics", None, {}, 405, None, "method_not_allowed"),
 ]
+
+
+async def test_a_413_stays_a_413_when_the_client_hangs_up_while_it_is_answered() -> None:
+    """A chunked body over the cap, the client closing as soon as it read the status line:
+    writing the answer then races the connection's end (hypercorn's writer may be busy), and
+    that once counted as a 500 with a traceback (a quarter of the tries).  Every record must
+    say 413."""
+    with trio.fail_after(CAP_S):
+        async with run_server(limits=ServeLimits(max_body_bytes=1000)) as server:
+            host, port = server.url.removeprefix("http://").split(":")
+            head = (
+                b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            chunk = b"x" * 4000
+            tries = 60
+            for _ in range(tries):
+                stream = await trio.open_tcp_stream(host, int(port))
+                try:
+                    await stream.send_all(head + b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    data = b""
+                    while b"\r\n" not in data:
+                        got = await stream.receive_some(65536)
+                        if not got:
+                            break
+                        data += got
+                    assert data.startswith(b"HTTP/1.1 413"), data[:80]
+                finally:
+                    await stream.aclose()
+            await wait_until(lambda: len(server.records) == tries)
+    assert {record["status"] for record in server.records} == {413}, server.records
+
+
+async def test_content_length_with_chunked_encoding_is_refused(server: Server) -> None:
+    """Both framings in one request is how requests are smuggled past a proxy that reads
+    the other one (RFC 9112 6.3): a 400 with the envelope, never a generation."""
+    host, port = server.url.removeprefix("http://").split(":")
+    payload = b'{"prompt": "smuggled", "size": "64x64"}'
+    raw = (
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    ) % (len(payload), len(payload), payload)
+    with trio.fail_after(CAP_S):
+        stream = await trio.open_tcp_stream(host, int(port))
+        try:
+            await stream.send_all(raw)
+            data = b""
+            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                got = await stream.receive_some(65536)
+                if not got:
+                    break
+                data += got
+        finally:
+            await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert b"Content-Length and Transfer-Encoding" in data
+    assert all(r["status"] == 400 for r in server.records), server.records
 
 
 async def test_a_corpus_of_hostile_requests_gets_envelopes_and_leaves_the_server_fine(

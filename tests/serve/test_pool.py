@@ -3,6 +3,7 @@ aborts, draining, and one_for_one supervision of replicas."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -83,9 +84,13 @@ def test_configuration_is_checked() -> None:
             EnginePool(echo_config(), max_queue_len=bad)  # type: ignore[arg-type]
 
 
-def test_generated_ids_are_unique() -> None:
-    ids = {new_request_id() for _ in range(1000)}
-    assert len(ids) == 1000
+def test_generated_ids_are_unique_and_unguessable() -> None:
+    """128 random bits each: no client can guess another's id to cancel or query its
+    request, or claim the next one (a counter made both easy)."""
+    ids = [new_request_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(re.fullmatch(r"req-[0-9a-f]{32}", rid) for rid in ids), ids[:3]
+    assert len({rid[4:12] for rid in ids}) > 990  # no shared prefix
 
 
 def test_not_ready_before_serving() -> None:
