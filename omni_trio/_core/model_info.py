@@ -31,6 +31,8 @@ class ModelInfo:
     ``supports_steps``: ``DiffusionModel.step_adapter`` returns an adapter (step mode).
     ``fixed_size``: the model renders only its default size; left None it is what the
     family implies (an unconditional UNet renders the one size it was trained at).
+    ``min_side``: the smallest height and width it renders (a UNet's GroupNorms need more
+    than one value per group at its deepest level); smaller sizes are refused at admission.
     """
 
     name: str
@@ -41,6 +43,8 @@ class ModelInfo:
     text_conditioned: bool
     supports_steps: bool = False
     fixed_size: bool | None = None
+    # The smallest height and width it renders (pixels; smaller sizes are refused).
+    min_side: int = 8
 
     def __post_init__(self) -> None:
         if self.fixed_size is None:
@@ -57,6 +61,12 @@ class ModelInfo:
         if self.fixed_size and (h, w) != (self.default_height, self.default_width):
             raise InvalidRequestError(
                 f"model {self.name} only renders {self.default_width}x{self.default_height}, "
+                f"not {w}x{h}",
+                param="size",
+            )
+        if min(h, w) < self.min_side:
+            raise InvalidRequestError(
+                f"model {self.name} renders sizes from {self.min_side}x{self.min_side} up, "
                 f"not {w}x{h}",
                 param="size",
             )

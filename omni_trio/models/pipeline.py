@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -115,6 +116,37 @@ def _sample_size(unet: Any) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
+def _norm_ok(channels: int, groups: int, side: int) -> bool:
+    """A GroupNorm over ``channels`` in ``groups`` works on a batch of one at ``side`` x
+    ``side``: torch refuses one value per group ("Expected more than 1 value per channel")."""
+    if channels < groups:  # no GroupNorm can be built so: the module has none there
+        return True
+    return (channels // max(1, groups)) * side * side > 1
+
+
+def min_latent_side(unet_config: Any, vae_config: Any | None = None) -> int:
+    """The smallest latent side every GroupNorm of the UNet (each level's input and output
+    channels, at that level's downsampled side) and of the VAE decoder (at the latent's
+    side) can normalise for a batch of one (no CFG, or one CFG-parallel half)."""
+    channels = [int(c) for c in getattr(unet_config, "block_out_channels", ()) or ()]
+    groups = int(getattr(unet_config, "norm_num_groups", None) or 32)
+    vae_channels = vae_groups = None
+    if vae_config is not None and getattr(vae_config, "block_out_channels", None):
+        vae_channels = int(vae_config.block_out_channels[-1])
+        vae_groups = int(getattr(vae_config, "norm_num_groups", None) or 32)
+    for latent in range(1, 65):
+        ok = all(
+            _norm_ok(ch, groups, math.ceil(latent / 2**level))
+            for level, out_ch in enumerate(channels)
+            for ch in (channels[max(0, level - 1)], out_ch)
+        )
+        if vae_channels is not None and vae_groups is not None:
+            ok = ok and _norm_ok(vae_channels, vae_groups, latent)
+        if ok:
+            return latent
+    return 64  # pragma: no cover - no real configuration gets here
+
+
 @contextmanager
 def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
     """Call ``on_step(step, total)`` before every forward of ``pipe.unet`` inside the block.
@@ -163,6 +195,13 @@ class DiffusersModel(DiffusionModel):
         from .pipeline_step import make_step_adapter
 
         adapter = make_step_adapter(self, pipe, family)
+        min_side = 8
+        if text_conditioned:
+            vae: Any = getattr(pipe, "vae", None)
+            # Only diffusers' AutoencoderKL is known to norm its latent at full channels.
+            vae_config = vae.config if type(vae).__name__ == "AutoencoderKL" else None
+            latent = min_latent_side(pipe.unet.config, vae_config)
+            min_side = max(8, math.ceil(latent * int(pipe.vae_scale_factor) / 8) * 8)
         self.info = ModelInfo(
             name=name,
             family=family,
@@ -173,6 +212,7 @@ class DiffusersModel(DiffusionModel):
             supports_steps=adapter is not None,
             # An unconditional UNet renders the one size it was trained at.
             fixed_size=family == "unconditional",
+            min_side=min_side,
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.

@@ -25,6 +25,14 @@ def test_a_fixed_size_model_renders_only_its_own_size() -> None:
     assert info.value.param == "size"
 
 
+def test_sizes_below_the_models_smallest_side_are_refused() -> None:
+    info = ModelInfo("m", "text2image", True, 64, 64, True, min_side=24)
+    assert info.resolve_size(24, 200) == (24, 200)
+    with pytest.raises(InvalidRequestError, match=r"from 24x24 up, not 64x16") as refused:
+        info.resolve_size(16, 64)
+    assert refused.value.param == "size"
+
+
 def test_warmup_is_small_and_seeded() -> None:
     warm = FREE.warmup_sampling()
     assert (warm.height, warm.width, warm.num_inference_steps, warm.seed) == (64, 64, 2, 0)

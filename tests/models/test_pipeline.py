@@ -8,7 +8,7 @@ import torch
 
 from omni_trio.errors import InvalidConfigError, InvalidRequestError
 from omni_trio.models.echo import EchoModel
-from omni_trio.models.pipeline import DiffusersModel
+from omni_trio.models.pipeline import DiffusersModel, min_latent_side
 from omni_trio.worker.cfg_parallel import CfgParallel, CfgStatistics
 
 from .support import StepRecorder, Stop, generators, no_steps, request
@@ -95,6 +95,29 @@ def test_several_outputs_per_prompt(model: Any) -> None:
     np.testing.assert_allclose(outs[0][0], alone, atol=1e-3)
     flat = [image for o in outs for image in o]
     assert all(image.base is None for image in flat)  # no output keeps the batch alive
+
+
+def test_the_smallest_side_is_one_every_group_norm_can_render_unguided(tiny_sd: Any) -> None:
+    """A batch of one (no guidance, or one CFG-parallel half) at 16x16 hits a GroupNorm with
+    one value per group in tiny-sd's UNet ("Expected more than 1 value per channel"): a 500
+    on a 2-worker engine.  The model's smallest side says so, and it renders there."""
+    assert tiny_sd.info.min_side == 24
+    (out,) = images(tiny_sd, [request("a", height=24, width=24, guidance_scale=1.0)], [1])
+    assert np.asarray(out[0]).shape[:2] == (24, 24)
+    with pytest.raises(ValueError, match="more than 1 value"):
+        images(tiny_sd, [request("a", height=16, width=16, guidance_scale=1.0)], [1])
+
+
+def test_min_latent_side_from_the_configs() -> None:
+    class Config:
+        def __init__(self, **fields: Any) -> None:
+            self.__dict__.update(fields)
+
+    tiny = Config(block_out_channels=(32, 64), norm_num_groups=32)
+    assert min_latent_side(tiny) == 3  # level 1 sees 32 channels at ceil(L / 2)
+    assert min_latent_side(Config(block_out_channels=(64, 128), norm_num_groups=32)) == 1
+    vae = Config(block_out_channels=(32,), norm_num_groups=32)
+    assert min_latent_side(Config(block_out_channels=(64,), norm_num_groups=32), vae) == 2
 
 
 def test_negative_prompt_changes_the_image(tiny_sd: Any) -> None:
