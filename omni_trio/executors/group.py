@@ -103,18 +103,29 @@ def is_secret_env_name(name: str) -> bool:
     return any(word in upper for word in SECRET_ENV_WORDS)
 
 
+# Per environment mapping (by id) being hidden: [blocks inside, the secrets taken out].
+_HIDING: dict[int, tuple[list[int], dict[str, str]]] = {}
+
+
 @contextmanager
 def secrets_hidden(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
     """Take every secret out of ``environ`` (default ``os.environ``) for the block, so a
-    process started inside it does not inherit one; put them back after.  (The process's
-    environment is shared by its threads: keep the block short.)"""
+    process started inside it does not inherit one; put them back when the last of the
+    blocks that overlap (two groups starting at once) ends.  (The process's environment is
+    shared by its threads: keep the block short.)"""
     env = os.environ if environ is None else environ
-    hidden = {name: env.pop(name) for name in [n for n in env if is_secret_env_name(n)]}
+    depth, hidden = _HIDING.setdefault(id(env), ([0], {}))
+    depth[0] += 1
+    for name in [n for n in env if is_secret_env_name(n)]:
+        hidden[name] = env.pop(name)
     try:
         yield
     finally:
-        for name, value in hidden.items():
-            env.setdefault(name, value)
+        depth[0] -= 1
+        if not depth[0]:
+            del _HIDING[id(env)]
+            for name, value in hidden.items():
+                env.setdefault(name, value)
 
 
 def wire_config(config: EngineConfig) -> dict[str, Any]:

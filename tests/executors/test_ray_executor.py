@@ -114,6 +114,14 @@ def test_secrets_are_hidden_only_for_the_block() -> None:
     assert env == {"HF_TOKEN": "t", "OMNI_TRIO_API_KEY": "k", "PATH": "/bin"}
     assert is_secret_env_name("hf_token") and not is_secret_env_name("HF_HUB_OFFLINE")
     assert not is_secret_env_name("RAY_AUTH_TOKEN")  # Ray's processes need it
+    # Overlapping blocks (two groups starting at once): back only when the last one ends.
+    outer = secrets_hidden(env)
+    outer.__enter__()
+    with secrets_hidden(env):
+        pass
+    assert "HF_TOKEN" not in env  # the outer block still spawns
+    outer.__exit__(None, None, None)
+    assert env["HF_TOKEN"] == "t"
 
 
 def test_actor_env_never_carries_a_secret() -> None:
