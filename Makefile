@@ -1,38 +1,57 @@
-# The README's two commands: `make demo` and `make test`.  Each creates .venv if
-# missing and installs into it; a stamp keyed on pyproject.toml keeps reruns fast.
+# The README's commands: `make demo`, `make test` and, for contributors, `make test-fast`.
+# Each creates .venv if missing and installs into it.  One venv, two stamps keyed on
+# pyproject.toml: the runtime (`pip install -e .`, all `make demo` needs) and, on top of it,
+# the dev and ray extras (`make test`, `make test-fast`, lint, typecheck).  A stamp is made
+# only after its install succeeded; a changed pyproject.toml installs both again.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+KEY := $(shell cksum pyproject.toml | cut -d' ' -f1)
+RUNTIME_STAMP := $(VENV)/.installed-runtime-$(KEY)
+DEV_STAMP := $(VENV)/.installed-dev-$(KEY)
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install demo test lint typecheck pytest bench clean
+.PHONY: install install-runtime demo test test-fast lint typecheck pytest bench clean
 
-install: $(STAMP)
+install-runtime: $(RUNTIME_STAMP)
 
-$(STAMP): pyproject.toml
+install: $(DEV_STAMP)
+
+$(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,ray]'
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps tractor==0.1.0a5
-	rm -f $(VENV)/.installed-*
+	$(PIP) -e .
+	$(PIP) --no-deps tractor==0.1.0a5
+	rm -f $(VENV)/.installed-runtime-* $(VENV)/.installed-[0-9]*
 	touch $@
 
-demo: $(STAMP)
+$(DEV_STAMP): $(RUNTIME_STAMP)
+	$(PIP) -e '.[dev,ray]'
+	rm -f $(VENV)/.installed-dev-*
+	touch $@
+
+demo: $(RUNTIME_STAMP)
 	$(BIN)/omni-trio demo --model builtin:shapes --out demo-grid.png
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check omni_trio tests property_tests scripts
 	$(BIN)/ruff format --check omni_trio tests property_tests scripts
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(DEV_STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider
 
+# The whole suite: lint, types, every test (tests/ and property_tests/).
 test: lint typecheck pytest
 
-bench: $(STAMP)
+# The inner loop: every test not marked slow, so none that starts a process
+# (tests/spawn_guard.py fails an unmarked one that does), and a few Hypothesis examples.
+test-fast: $(DEV_STAMP)
+	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -p no:cacheprovider -q -m "not slow"
+
+bench: $(RUNTIME_STAMP)
 	$(BIN)/omni-trio bench overhead
 
 clean:

@@ -18,6 +18,7 @@ from .errors import InvalidTransition as InvalidTransition
 from .errors import OmniTrioError as OmniTrioError
 from .errors import RequestAbortedError as RequestAbortedError
 from .errors import RequestFailedError as RequestFailedError
+from .errors import RequestTooCostlyError as RequestTooCostlyError
 from .errors import RestartLimitError as RestartLimitError
 from .errors import StallError as StallError
 from .errors import WorkerError as WorkerError
@@ -53,6 +54,7 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "RequestStream",
+    "RequestTooCostlyError",
     "RestartLimitError",
     "SamplingParams",
     "StallError",

@@ -4,12 +4,15 @@ Everything here turns values into strings or images, so it is unit-tested direct
 ``parse_size`` (``"64x48"`` -> ``(64, 48)``), ``output_paths`` (one file, or numbered files),
 ``render_bar`` / ``progress_line`` (the live progress bar), ``redraw_block`` (multi-line redraw
 on a terminal), ``format_table`` (aligned text tables), ``format_statistics`` (an
-``EngineStatistics`` summary) and ``build_grid`` (a captioned PNG contact sheet).
+``EngineStatistics`` summary), ``build_grid`` (a captioned PNG contact sheet),
+``strip_rest`` (docstring markup out of ``--help`` text) and ``loading_line`` (the phases of
+an engine start).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +27,53 @@ __all__ = [
     "format_ms",
     "format_statistics",
     "format_table",
+    "loading_line",
     "output_paths",
     "parse_size",
     "progress_line",
     "redraw_block",
     "render_bar",
     "status_label",
+    "strip_rest",
     "truncate",
 ]
 
 # Cursor control used to redraw a block of lines in place on a terminal.
 _CURSOR_PREV_LINE = "\x1b[{n}F"  # move to the start of the n-th previous line
 _CLEAR_LINE = "\x1b[2K"
+
+
+# reST roles (:class:`~pkg.Name`, :func:`text <target>`) and inline literals (``x``).
+_REST_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(?P<body>[^`]+)`")
+_REST_LITERAL = re.compile(r"``(?P<body>[^`]+)``")
+
+
+def _role_text(match: re.Match[str]) -> str:
+    body = match["body"]
+    if "<" in body and body.endswith(">"):
+        return body[: body.index("<")].strip()
+    if body.startswith("~"):
+        return body[1:].rsplit(".", 1)[-1]
+    return body
+
+
+def strip_rest(text: str) -> str:
+    """Docstring markup out of text meant for a terminal (``--help``): ``:class:`~a.B``` ->
+    ``B``, ``:func:`name <target>``` -> ``name``, double-backtick literals -> their text, and a
+    paragraph-ending ``::`` -> ``:``."""
+    text = _REST_ROLE.sub(_role_text, text)
+    text = _REST_LITERAL.sub(lambda m: m["body"], text)
+    return re.sub(r"(?<=\S)::(?=\s|$)", ":", text)
+
+
+def loading_line(model: str, phases: Sequence[str], ready_s: float | None = None) -> str:
+    """The engine-start line: ``loading builtin:shapes: import… load… ready (3.9 s)``.
+
+    ``phases`` are the phases started so far; ``ready_s`` (once ready) ends the line."""
+    parts = [f"{phase}…" for phase in phases]
+    if ready_s is not None:
+        parts.append(f"ready ({ready_s:.1f} s)")
+    return f"loading {model}: {' '.join(parts)}".rstrip()
 
 
 def parse_size(text: str) -> tuple[int, int]:

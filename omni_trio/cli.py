@@ -3,7 +3,8 @@
 ::
 
     omni-trio generate "a prompt" [--model M] [--steps N] [--seed S] [--size WxH] [-n K] [-o F]
-    omni-trio demo [--model M] [--prompts N] [--steps N] [--out demo-grid.png] [--no-previews]
+                       [--backend B] [--workers N] [--config FILE] ...
+    omni-trio demo [--model M] [--prompt TEXT ...] [--prompts-file FILE] [--prompts N] ...
     omni-trio version
     omni-trio fuzz [--backend B] [--mode M] [--duration S] [--examples N] ... [--replay FILE]
     omni-trio serve --model M [--replicas K] [--host H] [--port P] [--config FILE] ...
@@ -27,13 +28,22 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ._cli_args import finite_float, nonneg_int, positive_int, size_arg
+from ._cli_args import (
+    CliParser,
+    accept_verbose_everywhere,
+    finite_float,
+    image_path,
+    nonneg_int,
+    positive_int,
+    size_arg,
+)
 from ._cli_exit import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -51,6 +61,7 @@ from ._cli_render import (
     format_ms,
     format_statistics,
     format_table,
+    loading_line,
     output_paths,
     progress_line,
     redraw_block,
@@ -69,27 +80,36 @@ __all__ = ["DEMO_PROMPTS", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_U
 
 log = logging.getLogger("omni_trio.cli")
 
-DEFAULT_MODEL = "builtin:tiny-sd"
-# The demo's model draws what its prompts ask for (trained here; see omni_trio.models.shapes).
+# Both draw with the model trained here, which draws what its prompts ask for (coloured
+# circles, squares and triangles; see omni_trio.models.shapes).
+DEFAULT_MODEL = "builtin:shapes"
 DEMO_MODEL = "builtin:shapes"
 POLL_INTERVAL_S = 0.1
 PLAIN_INTERVAL_S = 2.0
 
+# The demo's prompts and seeds (prompt i draws with DEMO_BASE_SEED + i): every colour and
+# shape, picked by rendering candidates with builtin:shapes and looking at them, so that each
+# picture is one clean shape.  The first is also what the previews strip streams.
 DEMO_PROMPTS = (
-    "a red circle",
-    "a small blue square",
     "a large green triangle",
-    "an orange square on a white background",
+    "a small blue square",
     "a purple circle",
-    "a yellow triangle",
+    "a red circle",
+    "an orange square on a white background",
     "a red square",
-    "a large blue circle",
+    "a blue circle",
+    "a yellow triangle",
 )
 DEMO_PREVIEW_FRAMES = 8  # previews in the strip (at most; the final image is added)
-DEMO_BASE_SEED = 1234
+DEMO_BASE_SEED = 2
 
 
 # -- argument parsing ------------------------------------------------------------------------
+
+
+class _CommandDefault(str):
+    """A flag's default that the user did not type (``args.model`` still compares equal to
+    ``"builtin:shapes"``): a ``--config`` file may override it, a typed value not."""
 
 
 def _add_engine_options(
@@ -98,38 +118,77 @@ def _add_engine_options(
     max_num_seqs_default: int,
     model_default: str = DEFAULT_MODEL,
 ) -> None:
+    """The engine's flags.  Each defaults to None ("not given") or, for ``--model``, to a
+    :class:`_CommandDefault`, so that a ``--config`` file can set what no flag does
+    (flags > file > the command's default)."""
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        default=model_default,
-        help="built-in model name (builtin:tiny-sd, builtin:tiny-ddim, builtin:shapes, "
-        f"builtin:echo) or a local diffusers directory (default: {model_default})",
+        default=_CommandDefault(model_default),
+        metavar="M",
+        help="built-in model name (builtin:shapes, builtin:tiny-sd, builtin:tiny-ddim, "
+        "builtin:echo) or a local diffusers directory",
+    )
+    group.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file in the format of serve --config; its [engine] table sets any "
+        "EngineConfig field, and these flags override it",
+    )
+    group.add_argument(
+        "--backend",
+        choices=("inproc", "tractor", "ray"),
+        default=None,
+        help="executor: inproc (a worker thread in this process), tractor (a process per "
+        "worker) or ray (default: inproc for one worker, tractor for more)",
+    )
+    group.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="workers in the group; 2 split each guidance step between them (cfg_parallel) "
+        "(default: 1)",
     )
     group.add_argument(
         "--max-num-seqs",
         type=positive_int,
         default=None,
+        metavar="N",
         help=f"requests fused into one forward (default: {max_num_seqs_default})",
     )
     group.add_argument(
         "--threads",
         type=positive_int,
         default=None,
-        help="torch threads of the worker (default: cores / workers)",
+        metavar="N",
+        help="torch threads per worker (default: (cores - 1) / workers, at least 1)",
     )
     group.add_argument(
         "--cache-dir",
         default=None,
+        metavar="DIR",
         help="where built-in models are created (default: $OMNI_TRIO_CACHE or ~/.cache/omni_trio)",
     )
-    group.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    group.add_argument(
+        "--device",
+        default=None,
+        metavar="DEV",
+        help="torch device: cpu, cuda, cuda:N, mps or xpu; checked before anything starts "
+        "(default: cuda if present, else cpu)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full parser, with the optional ``bench`` subcommand when it is installed."""
+    """The full parser, with the optional ``bench`` subcommand when it is installed.
+
+    Every parser is a :class:`~omni_trio._cli_args.CliParser`: an unknown flag is reported
+    with the usage of the subcommand it was given to, ``--help`` shows defaults and no
+    docstring markup, and ``-v`` is accepted after the subcommand too."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog=PROG,
         description="Serve diffusers pipelines as a tree of supervised trio actors.",
     )
@@ -141,15 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate",
-        help="render one prompt to PNG with a live progress bar",
-        description="Render one prompt and write the image(s) as PNG.",
+        help="render one prompt to an image file with a live progress bar",
+        description="Render one prompt and write the image(s): PNG, or JPEG/WebP by the "
+        "file's extension.  While the engine starts, a line on stderr shows its phases; "
+        "then a progress bar.  stdout gets only the result lines.",
     )
     gen.add_argument("prompt", help="the text prompt")
-    gen.add_argument("--steps", type=positive_int, default=20, help="denoising steps (20)")
+    gen.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
     gen.add_argument(
         "--seed", type=nonneg_int, default=None, help="random seed (default: random, printed)"
     )
-    gen.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale (7.5)")
+    gen.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale")
     gen.add_argument("--negative-prompt", default=None, help="what the image should not show")
     gen.add_argument(
         "--size",
@@ -159,21 +220,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="output size, multiples of 8 (default: the model's size)",
     )
     gen.add_argument(
-        "-n", "--num-outputs", type=positive_int, default=1, help="images for the prompt (1)"
+        "-n", "--num-outputs", type=positive_int, default=1, help="images for the prompt"
     )
     gen.add_argument(
         "-o",
         "--out",
+        type=image_path,
         default="out.png",
-        help="output file (default out.png); several images go to out-0.png, out-1.png, ...",
+        help="output file (default: out.png); several images go to out-0.png, out-1.png, ...",
     )
     gen.add_argument(
         "--warmup",
-        action="store_true",
-        help="run the engine's warmup request first (off for one-shot generation)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine's warmup request first (default: off for one-shot generation, "
+        "or what --config says)",
     )
     gen.add_argument(
-        "--no-progress", action="store_true", help="do not draw the progress bar on stderr"
+        "-q",
+        "--quiet",
+        "--no-progress",
+        dest="no_progress",
+        action="store_true",
+        help="draw nothing on stderr: no loading line, no progress bar",
     )
     _add_engine_options(gen, max_num_seqs_default=1)
     gen.set_defaults(handler=cmd_generate)
@@ -184,30 +253,49 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start an engine, submit several prompts at once (fixed seeds), show "
         "live per-request progress, write a captioned PNG grid and print a per-request table "
         "and the engine statistics; then stream the first prompt once more in step mode and "
-        "write a strip of its previews forming (OUT with -previews before the suffix).",
+        "write a strip of its previews forming (OUT with -previews before the suffix).  The "
+        "prompts are the built-in ones unless --prompt or --prompts-file give yours.",
     )
-    demo.add_argument("--out", default="demo-grid.png", help="grid image to write (demo-grid.png)")
+    demo.add_argument("--out", type=image_path, default="demo-grid.png", help="grid image to write")
+    demo.add_argument(
+        "--prompt",
+        action="append",
+        dest="prompt_texts",
+        default=None,
+        metavar="TEXT",
+        help="a prompt of yours (repeatable; with --prompts-file, these come first)",
+    )
+    demo.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="a text file of prompts, one per line (blank lines and lines starting with # "
+        "are skipped)",
+    )
     demo.add_argument(
         "--prompts",
         type=positive_int,
-        default=8,
-        help=f"how many prompts to submit (default 8; the {len(DEMO_PROMPTS)} built-in "
-        "prompts repeat past that)",
+        default=None,
+        metavar="N",
+        help=f"how many prompts to submit; the prompts repeat past their number (default: "
+        f"as many as --prompt/--prompts-file give, else the {len(DEMO_PROMPTS)} built-in ones)",
     )
-    demo.add_argument("--steps", type=positive_int, default=20, help="denoising steps (20)")
+    demo.add_argument("--steps", type=positive_int, default=20, help="denoising steps")
     demo.add_argument(
         "--seed",
         type=nonneg_int,
         default=DEMO_BASE_SEED,
-        help=f"seed of the first prompt; prompt i uses seed+i (default {DEMO_BASE_SEED})",
+        help=f"seed of the first prompt; prompt i uses seed+i (default: {DEMO_BASE_SEED})",
     )
-    demo.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale (7.5)")
+    demo.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale")
     demo.add_argument(
-        "--size", type=size_arg, default=None, metavar="WxH", help="output size (model default)"
+        "--size",
+        type=size_arg,
+        default=None,
+        metavar="WxH",
+        help="output size (default: the model's size)",
     )
-    demo.add_argument(
-        "--cell", type=positive_int, default=160, help="grid tile size in pixels (160)"
-    )
+    demo.add_argument("--cell", type=positive_int, default=160, help="grid tile size in pixels")
     demo.add_argument("--no-warmup", action="store_true", help="skip the engine warmup")
     demo.add_argument(
         "--no-previews", action="store_true", help="do not write the streaming-previews strip"
@@ -217,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "live", "plain", "none"),
         default="auto",
         help="progress display: live (redrawn, needs a terminal), plain (periodic lines), "
-        "none; auto picks live on a terminal (default)",
+        "none; auto picks live on a terminal",
     )
     _add_engine_options(demo, max_num_seqs_default=4, model_default=DEMO_MODEL)
     demo.set_defaults(handler=cmd_demo)
@@ -230,9 +318,47 @@ def build_parser() -> argparse.ArgumentParser:
     add_fuzz_parser(sub)
     from .serve.daemon import add_serve_parser  # hypercorn is imported only when it runs
 
-    add_serve_parser(sub)
+    serve = add_serve_parser(sub)
+    # The models layer is below serve's reach: the command line hands it the model check.
+    serve.set_defaults(check_engine_config=_check_model)
+    _show_serve_defaults(serve)
     _add_plugin_commands(sub)
+    accept_verbose_everywhere(parser)
     return parser
+
+
+# serve defaults that are decided later (by worker count, by the machine).
+_SERVE_DEFAULT_TEXT = {
+    ("engine", "backend"): "inproc for one worker, tractor for more",
+    ("engine", "torch_threads"): "(cores - 1) / workers, at least 1",
+    ("engine", "cache_dir"): "$OMNI_TRIO_CACHE or ~/.cache/omni_trio",
+}
+
+
+def _show_serve_defaults(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s flags default to None ("not given", so a --config file can set them):
+    append the value each one gets when neither the flag nor the file sets it."""
+    from .serve.config import FLAGS, ServeConfig
+
+    defaults: Any = ServeConfig()
+    by_dest = {flag.dest: flag for flag in FLAGS}
+    for action in parser._actions:
+        flag = by_dest.get(action.dest)
+        if flag is None or action.help is None or "default" in action.help.lower():
+            continue
+        value = defaults
+        for part in flag.path:
+            value = getattr(value, part)
+        if flag.path == ("engine", "model"):
+            action.help += " (required, here or in --config)"
+        elif flag.path in _SERVE_DEFAULT_TEXT:
+            action.help += f" (default: {_SERVE_DEFAULT_TEXT[flag.path]})"
+        elif value is None or value == {} or value == ():
+            continue
+        elif isinstance(value, bool):
+            action.help += f" (default: {'on' if value else 'off'})"
+        else:
+            action.help += f" (default: {value})"
 
 
 def _add_plugin_commands(subparsers: Any) -> None:
@@ -394,21 +520,47 @@ async def _run_with_progress(
 # -- shared engine helpers ---------------------------------------------------------------------
 
 
-def _engine_config(args: argparse.Namespace, *, max_num_seqs: int, warmup: bool) -> EngineConfig:
+def _engine_config(
+    args: argparse.Namespace, *, defaults: dict[str, Any], flags: dict[str, Any] | None = None
+) -> EngineConfig:
+    """The engine's config: the command's ``defaults`` < the ``--config`` file's ``[engine]``
+    table < the engine flags given (and ``flags``, the command's own that were given).
+    Checked at once (EngineConfig validates every field and the rules between them, the
+    device included), and so is the model (:func:`_check_model`): bad input fails here,
+    before anything starts."""
     from .config import EngineConfig
 
-    fields: dict[str, Any] = {
-        "model": args.model,
-        "max_num_seqs": max_num_seqs,
-        "warmup": warmup,
-    }
-    if args.threads is not None:
-        fields["torch_threads"] = args.threads
-    if args.cache_dir is not None:
-        fields["cache_dir"] = args.cache_dir
-    if args.device is not None:
-        fields["device"] = args.device
-    return EngineConfig(**fields)
+    flags = dict(flags or {})
+    for dest, field_name in (
+        ("model", "model"),
+        ("backend", "backend"),
+        ("workers", "num_workers"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("threads", "torch_threads"),
+        ("cache_dir", "cache_dir"),
+        ("device", "device"),
+    ):
+        value = getattr(args, dest, None)
+        if isinstance(value, _CommandDefault):
+            defaults = {**defaults, field_name: str(value)}
+        elif value is not None:
+            flags[field_name] = value
+    if args.config is not None:
+        from .serve.config import engine_config_from_toml
+
+        config = engine_config_from_toml(args.config, defaults=defaults, overrides=flags)
+    else:
+        config = EngineConfig(**{**defaults, **flags})
+    _check_model(config)
+    return config
+
+
+def _check_model(config: EngineConfig) -> None:
+    """Reject an unknown built-in, a missing directory or a Hub id (with how to download it)
+    before an engine starts (see :func:`~omni_trio.models.loading.check_model_early`)."""
+    from .models.loading import check_model_early
+
+    check_model_early(config.model, config.backend)
 
 
 def _check_output_dir(path: Path) -> None:
@@ -419,6 +571,85 @@ def _check_output_dir(path: Path) -> None:
 
 def _save_png(image: Any, path: Path) -> None:
     image.save(path, format=None if path.suffix else "PNG")
+
+
+class _LoadingLine:
+    """What the engine is doing while it starts, on ``out`` (stderr), as
+    :func:`~omni_trio._cli_render.loading_line` draws it.
+
+    ``live`` (a terminal): redrawn in place as each phase begins, ended with a newline when
+    ready (erased if the start fails, so an error is the only line).  ``plain``: written
+    once, when ready.  ``none``: nothing.
+    """
+
+    def __init__(self, out: TextIO, mode: str, model: str) -> None:
+        self.out = out
+        self.mode = mode
+        self.model = model
+        self.phases: list[str] = []
+
+    def phase(self, name: str) -> None:
+        self.phases.append(name)
+        if self.mode == "live":
+            self.out.write("\r" + loading_line(self.model, self.phases) + "\x1b[K")
+            self.out.flush()
+
+    def ready(self, seconds: float) -> None:
+        line = loading_line(self.model, self.phases, seconds)
+        if self.mode == "live":
+            self.out.write("\r" + line + "\x1b[K\n")
+        elif self.mode == "plain":
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def abandon(self) -> None:
+        if self.mode == "live" and self.phases:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+
+
+def _import_model_stack(model: str) -> None:
+    """Import what loading ``model`` in this process needs (torch; diffusers and its
+    pipelines unless it is the weightless echo), so that the import is a phase of its own."""
+    import torch  # noqa: F401
+
+    if model != "builtin:echo":
+        from .models.loading import quiet_import_advice
+
+        quiet_import_advice()
+        import diffusers  # noqa: F401
+        from diffusers import DiffusionPipeline, StableDiffusionPipeline  # noqa: F401
+
+
+@asynccontextmanager
+async def _open_engine_showing(
+    config: EngineConfig, line: _LoadingLine
+) -> AsyncIterator[AsyncEngine]:
+    """``open_engine(config)`` with its phases on ``line``: import (inproc: in this process)
+    and load, or start (the worker processes import and load), then warmup if configured."""
+    import trio
+
+    from .runtime.engine import _warmup, open_engine
+
+    started = trio.current_time()
+    shown = False
+    try:
+        if config.backend == "inproc":
+            line.phase("import")
+            await trio.to_thread.run_sync(_import_model_stack, config.model)
+            line.phase("load")
+        else:
+            line.phase(f"start {config.num_workers} {config.backend} worker(s)")
+        async with open_engine(config.replace(warmup=False)) as engine:
+            if config.warmup:
+                line.phase("warmup")
+                await _warmup(engine)  # the same warmup open_engine runs, as its own phase
+            line.ready(trio.current_time() - started)
+            shown = True
+            yield engine
+    finally:
+        if not shown:
+            line.abandon()
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -450,7 +681,11 @@ def _generate_main(args: argparse.Namespace) -> int:
 
     from ._core.request import DiffusionRequest, validate_request
 
-    config = _engine_config(args, max_num_seqs=args.max_num_seqs or 1, warmup=args.warmup)
+    config = _engine_config(
+        args,
+        defaults={"model": DEFAULT_MODEL, "max_num_seqs": 1, "warmup": False},
+        flags={} if args.warmup is None else {"warmup": args.warmup},
+    )
     params = _generate_params(args)
     # Reject bad input before loading a model: the engine would raise the same error later.
     validate_request(DiffusionRequest(args.prompt, params, "cli"), config.request_limits)
@@ -478,9 +713,10 @@ async def _generate_async(
 ) -> DiffusionOutput:
     import trio
 
-    from .runtime.engine import open_engine, raise_for_status
+    from .runtime.engine import raise_for_status
 
-    async with open_engine(config) as engine:
+    line = _LoadingLine(sys.stderr, mode, config.model)
+    async with _open_engine_showing(config, line) as engine:
         stream = engine.stream(prompt, params)
         item = _Tracked(stream.request_id, "generate", params.total_steps, trio.current_time())
         await _run_with_progress(engine, [stream], [item], _Display(sys.stderr, mode, [item]))
@@ -510,11 +746,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo_main(args: argparse.Namespace) -> int:
     import trio
 
-    from ._core.request import SamplingParams, validate_request
+    from ._core.request import DiffusionRequest, SamplingParams, validate_request
     from .errors import InvalidConfigError
 
     explicit_seqs = args.max_num_seqs is not None
-    config = _engine_config(args, max_num_seqs=args.max_num_seqs or 4, warmup=not args.no_warmup)
+    config = _engine_config(
+        args,
+        defaults={"model": DEMO_MODEL, "max_num_seqs": 4, "warmup": True},
+        flags={"warmup": False} if args.no_warmup else {},
+    )
     width, height = args.size if args.size is not None else (None, None)
     params = SamplingParams(
         height=height,
@@ -523,10 +763,9 @@ def _demo_main(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance,
         output_type="pil",
     )
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.prompts)]
-    from ._core.request import DiffusionRequest
-
-    validate_request(DiffusionRequest(prompts[0], params, "demo-0"), config.request_limits)
+    prompts = _demo_prompts(args)
+    for i, prompt in enumerate(prompts):
+        validate_request(DiffusionRequest(prompt, params, f"demo-{i}"), config.request_limits)
     out = Path(args.out)
     _check_output_dir(out)
     mode = args.progress
@@ -556,6 +795,39 @@ def _demo_main(args: argparse.Namespace) -> int:
     if not args.no_previews and not failed:
         _write_preview_strip(config, prompts[0], params, args.seed, out, args.cell)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _demo_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts to submit: the user's (``--prompt``, then ``--prompts-file``) or the
+    built-in ones, repeated to ``--prompts`` if given."""
+    pool = list(args.prompt_texts or [])
+    if args.prompts_file is not None:
+        pool.extend(_read_prompts_file(Path(args.prompts_file)))
+    if not pool:
+        pool = list(DEMO_PROMPTS)
+    count = args.prompts if args.prompts is not None else len(pool)
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+def _read_prompts_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with ``#`` are skipped.  A file
+    that cannot be read, or holds no prompt, is a usage error (exit 2)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CliError(
+            f"cannot read prompts file {str(path)!r}: {exc.strerror or exc}", EXIT_USAGE
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"prompts file {str(path)!r} is not UTF-8 text: {exc}", EXIT_USAGE) from None
+    prompts = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if not prompts:
+        raise CliError(f"prompts file {str(path)!r} holds no prompt", EXIT_USAGE)
+    return prompts
 
 
 def _previews_path(out: Path) -> Path:

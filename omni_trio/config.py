@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,10 @@ from .errors import InvalidConfigError
 __all__ = [
     "AUTO_BACKEND",
     "BACKENDS",
+    "DEVICE_TYPES",
     "WORKER_START_METHODS",
     "EngineConfig",
+    "check_device_available",
     "default_cache_dir",
     "default_torch_threads",
 ]
@@ -30,6 +33,11 @@ AUTO_BACKEND = "auto"
 # interpreter per worker; "forkserver" forks it from a server that already imported torch,
 # diffusers and the worker code, so a restarted worker is ready in a fraction of a second.
 WORKER_START_METHODS = ("trio", "forkserver")
+# The torch device types a worker can run on; a device is TYPE or TYPE:INDEX.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+_DEVICE_RE = re.compile(r"(?P<type>[a-z_]+)(?::(?P<index>[0-9]+))?")
+# Backends whose workers run on this machine: their device can be checked here.
+_LOCAL_BACKENDS = ("inproc", "tractor")
 
 
 def default_cache_dir() -> Path:
@@ -50,6 +58,63 @@ def default_torch_threads(num_workers: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     spare = max(1, (cores or 1) - 1)
     return max(1, spare // max(1, num_workers))
+
+
+def _parse_device(device: Any) -> tuple[str, int | None]:
+    """``"cuda:1"`` -> ``("cuda", 1)``; :class:`InvalidConfigError` (``field="device"``) for
+    anything that is not ``TYPE`` or ``TYPE:INDEX`` with a type of :data:`DEVICE_TYPES`."""
+    match = _DEVICE_RE.fullmatch(device) if isinstance(device, str) else None
+    if match is None or match["type"] not in DEVICE_TYPES:
+        raise InvalidConfigError(
+            f"unknown device {device!r}: expected one of {', '.join(DEVICE_TYPES)}, "
+            "optionally with an index (cuda:1), or None to pick cuda when present",
+            field="device",
+        )
+    index = match["index"]
+    return match["type"], None if index is None else int(index)
+
+
+def check_device_available(device: str) -> None:
+    """Raise :class:`InvalidConfigError` (``field="device"``) unless torch on this machine can
+    use ``device`` (``TYPE`` or ``TYPE:INDEX``): CUDA built in and a GPU with that index
+    visible, MPS or XPU available.  ``cpu`` always is.  Imports torch for any other type.
+
+    Checked by :class:`EngineConfig` for the backends whose workers run on this machine
+    (``inproc``, ``tractor``), so a bad device fails before anything starts.
+    """
+    kind, index = _parse_device(device)
+    if kind == "cpu":
+        return
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is built without CUDA"
+                if torch.version.cuda is None
+                else "torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)"
+            )
+            raise InvalidConfigError(
+                f"device {device!r} is not available: {why}; use device 'cpu' or leave it "
+                "unset (cuda when present, else cpu)",
+                field="device",
+            )
+        count = torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise InvalidConfigError(
+                f"device {device!r} is not available: torch sees {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1})",
+                field="device",
+            )
+        return
+    backend = getattr(torch, kind, None) if kind == "xpu" else getattr(torch.backends, kind, None)
+    available = backend is not None and bool(backend.is_available())
+    if not available:
+        raise InvalidConfigError(
+            f"device {device!r} is not available to this torch ({torch.__version__}); use "
+            "device 'cpu' or leave it unset (cuda when present, else cpu)",
+            field="device",
+        )
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -74,7 +139,9 @@ def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
         raise InvalidConfigError(f"{name} must be a finite number >= 0, got {value!r}", field=name)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# Not slots: an instance also remembers (outside its fields) whether its backend was chosen by
+# worker count, so that ``replace(num_workers=...)`` chooses again.
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Configuration of one engine.
 
@@ -88,8 +155,14 @@ class EngineConfig:
     ``cfg_parallel``: with exactly two workers, split every classifier-free-guidance UNet call
     between them (rank 0 the conditional half, rank 1 the unconditional half; see
     :mod:`omni_trio.worker.cfg_parallel`) for models that support it; other models run whole
-    on each worker.  Any other worker count with ``cfg_parallel=True`` is refused when the
-    workers start; ``False`` makes every worker a full replica.
+    on each worker.  More than two workers with ``cfg_parallel=True`` is refused here, when
+    the config is made; ``False`` makes every worker a full replica.
+
+    Cross-field rules are checked here too, not first when the engine opens: the inproc
+    backend runs exactly one worker, and ``cfg_parallel`` uses at most two.  ``device`` must
+    be ``cpu``, ``cuda``, ``mps`` or ``xpu`` (with an optional ``:INDEX``); for the backends
+    whose workers run on this machine (inproc, tractor) it must also be available to torch
+    here (:func:`check_device_available`, which imports torch for a non-cpu device).
     """
 
     model: str = "builtin:echo"
@@ -117,6 +190,13 @@ class EngineConfig:
     max_prompt_chars: int = 10_000
     max_steps: int = 1000
     max_outputs_per_prompt: int = 16
+    # The compute budget: at warmup the model's step time is measured on this machine, and a
+    # request estimated to take longer than max_request_s, or whose longest uninterruptible
+    # part (one denoising step of all its images, or their decode) is longer than max_step_s,
+    # is refused with RequestTooCostlyError (None: no such limit; without warmup nothing is
+    # measured and neither applies).
+    max_request_s: float | None = 120.0
+    max_step_s: float | None = 10.0
     # Bounded waits (INV-6); None means no deadline for that phase.
     rpc_timeout_s: float | None = None
     close_timeout_s: float = 30.0
@@ -159,10 +239,12 @@ class EngineConfig:
         if not isinstance(self.model_options, Mapping):
             raise InvalidConfigError("model_options must be a mapping", field="model_options")
         backend = self.backend
-        if backend == AUTO_BACKEND:
+        chosen = backend == AUTO_BACKEND
+        if chosen:
             # Not chosen: by worker count.
             backend = "inproc" if self.num_workers == 1 else "tractor"
             object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "_backend_by_count", chosen)
         if isinstance(backend, str):
             if backend not in BACKENDS and ":" not in backend:
                 raise InvalidConfigError(
@@ -186,6 +268,10 @@ class EngineConfig:
             _positive_int("torch_threads", self.torch_threads)
         _nonneg_float("request_batch_max_wait_ms", self.request_batch_max_wait_ms)
         _nonneg_float("rpc_timeout_s", self.rpc_timeout_s, allow_none=True)
+        for name in ("max_request_s", "max_step_s"):
+            _nonneg_float(name, getattr(self, name), allow_none=True)
+            if getattr(self, name) == 0:
+                raise InvalidConfigError(f"{name} must be > 0 or None", field=name)
         _nonneg_float("close_timeout_s", self.close_timeout_s)
         _nonneg_float("worker_heartbeat_timeout_s", self.worker_heartbeat_timeout_s)
         _nonneg_float("worker_stall_timeout_s", self.worker_stall_timeout_s, allow_none=True)
@@ -230,9 +316,33 @@ class EngineConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool", field=name)
+        if self.device is not None:
+            _parse_device(self.device)
         if self.streaming_output and not self.step_execution:
             # Streaming previews need step execution; turning it on is what users mean.
             object.__setattr__(self, "step_execution", True)
+        self._check_cross_fields()
+        if self.device is not None and self.backend in _LOCAL_BACKENDS:
+            check_device_available(self.device)
+
+    def _check_cross_fields(self) -> None:
+        """The rules between fields that the executors and workers would otherwise only
+        enforce when the engine opens (they still do, as a defence)."""
+        workers = self.num_workers
+        if self.backend == "inproc" and workers != 1:
+            raise InvalidConfigError(
+                f"the inproc backend runs exactly one worker, not num_workers={workers}; use "
+                "backend 'tractor' or 'ray' for more (or leave backend unset: more than one "
+                "worker chooses tractor)",
+                field="num_workers",
+            )
+        if self.cfg_parallel and workers > 2:
+            raise InvalidConfigError(
+                f"cfg_parallel splits each guidance step between exactly 2 workers, so it "
+                f"cannot use num_workers={workers}; use num_workers=2, or cfg_parallel=False "
+                f"to make each of the {workers} workers a full replica",
+                field="cfg_parallel",
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
@@ -246,13 +356,23 @@ class EngineConfig:
         return cls(**dict(data))
 
     def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes``, validated like a new config (cross-field rules included).
+        A backend that was chosen by worker count (``"auto"``) is chosen again when
+        ``num_workers`` changes and ``backend`` is not given."""
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             raise InvalidConfigError(
                 f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]
             )
+        if "num_workers" in changes and "backend" not in changes and self.backend_by_count:
+            changes["backend"] = AUTO_BACKEND
         return dataclasses.replace(self, **changes)
+
+    @property
+    def backend_by_count(self) -> bool:
+        """Whether ``backend`` was chosen by worker count (``"auto"``), not named."""
+        return bool(getattr(self, "_backend_by_count", False))
 
     def core_config(self, *, output_timeout_s: float = 600.0) -> CoreConfig:
         """What the engine core decides with (``output_timeout_s``: how long a request
@@ -268,6 +388,8 @@ class EngineConfig:
             quarantine_after_crashes=self.quarantine_after_crashes,
             fault_injection=self.fault_injection,
             output_timeout_s=output_timeout_s,
+            max_request_s=self.max_request_s,
+            max_step_s=self.max_step_s,
         )
 
     @property

@@ -5,7 +5,8 @@ Every error the runtime raises on purpose is one of these::
     OmniTrioError
     ├── InvalidRequestError (ValueError)     bad input, rejected before admission
     │   ├── DuplicateRequestError            request id already active
-    │   └── PayloadError                     a payload the workers cannot be sent (after admission)
+    │   ├── PayloadError                     a payload the workers cannot be sent (after admission)
+    │   └── RequestTooCostlyError            over the compute budget (max_request_s, max_step_s)
     ├── InvalidConfigError (ValueError)      bad EngineConfig field or model/config mismatch
     ├── RequestAbortedError                  the request was aborted (API, consumer drop, close)
     ├── RequestFailedError                   the request ran and failed; carries the error text/type
@@ -36,6 +37,7 @@ __all__ = [
     "PayloadError",
     "RequestAbortedError",
     "RequestFailedError",
+    "RequestTooCostlyError",
     "RestartLimitError",
     "StallError",
     "WorkerError",
@@ -78,6 +80,19 @@ class PayloadError(InvalidRequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, param="payload")
+
+
+class RequestTooCostlyError(InvalidRequestError):
+    """A request whose estimated time on this machine (from the model's step time measured
+    at warmup) is over ``EngineConfig.max_request_s``, or whose longest uninterruptible part
+    is over ``max_step_s``.  ``estimate_s`` and ``limit_s`` carry the two figures."""
+
+    code = "request_too_costly"
+
+    def __init__(self, message: str, *, estimate_s: float, limit_s: float) -> None:
+        super().__init__(message, param="size")
+        self.estimate_s = estimate_s
+        self.limit_s = limit_s
 
 
 class InvalidConfigError(OmniTrioError, ValueError):

@@ -316,7 +316,7 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             self._nursery, self._send = nursery, send
             for slot in self._slots:
-                await self._start(slot)
+                await self._start(slot, first=True)
             task_status.started(self)
             while not all(s.state is ChildState.STOPPED for s in self._slots):
                 exit_ = await receive.receive()
@@ -349,9 +349,11 @@ class Supervisor:
         finally:
             run.done.set()
 
-    async def _start(self, slot: _Slot) -> None:
+    async def _start(self, slot: _Slot, *, first: bool = False) -> None:
         """Start a new incarnation of ``slot``; raises what the child raised before it was
-        ready (also a RuntimeError if it returned without calling ``started``)."""
+        ready (also a RuntimeError if it returned without calling ``started``).  A failed
+        ``first`` start is logged at debug level only: it propagates to the caller of
+        :meth:`serve`, who reports it (a bad model named twice is noise)."""
         assert self._nursery is not None
         slot.state = ChildState.STARTING
         slot.run = run = _Run()
@@ -359,7 +361,7 @@ class Supervisor:
             value = await self._nursery.start(self._run_child, slot, run, name=slot.spec.name)
         except Exception as exc:
             slot.state = ChildState.FAILED
-            self._note_failure(slot, exc)
+            self._note_failure(slot, exc, level=logging.DEBUG if first else logging.WARNING)
             raise
         slot.state = ChildState.RUNNING
         slot.started_at = trio.current_time()
@@ -439,10 +441,10 @@ class Supervisor:
             last_error=error,
         ) from error
 
-    def _note_failure(self, slot: _Slot, exc: Exception) -> None:
+    def _note_failure(self, slot: _Slot, exc: Exception, *, level: int = logging.WARNING) -> None:
         slot.last_error = _describe(exc)
         self._last_failure = f"{slot.spec.name}: {slot.last_error}"
-        log.warning("%s: child %s failed: %s", self._name, slot.spec.name, slot.last_error)
+        log.log(level, "%s: child %s failed: %s", self._name, slot.spec.name, slot.last_error)
         self._emit("failed", slot, error=exc)
 
     def _emit(

@@ -1,8 +1,11 @@
-"""Hypothesis profiles: ``dev`` (fast, local default), ``ci`` (reproducible, more examples)
-and ``long`` (fuzzing campaigns).  The engine state machines scale these down: they run a
-real engine per example (see property_tests/test_engine_machine.py).
+"""Hypothesis profiles: ``dev`` (fast, local default), ``ci`` (reproducible, more examples),
+``fast`` (``make test-fast``: a few examples, a smoke run) and ``long`` (fuzzing campaigns).
+The engine state machines scale these down: they run a real engine per example (see
+property_tests/test_engine_machine.py).
 
-``CI`` in the environment selects ``ci``; ``HYPOTHESIS_PROFILE`` overrides either.
+``CI`` in the environment selects ``ci``; ``HYPOTHESIS_PROFILE`` overrides either.  As in
+``tests/``, a test that starts a process must be in a module marked ``slow``
+(:mod:`tests.spawn_guard`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.spawn_guard import spawns_are_marked_slow as spawns_are_marked_slow
 
 settings.register_profile(
     "dev",
@@ -28,6 +33,13 @@ settings.register_profile(
     print_blob=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
+)
+# ``make test-fast`` (HYPOTHESIS_PROFILE=fast): the inner loop; ``make test`` runs the rest.
+settings.register_profile(
+    "fast",
+    max_examples=10,
+    stateful_step_count=20,
+    deadline=None,
 )
 # Campaigns (``omni-trio fuzz`` and HYPOTHESIS_PROFILE=long): many examples, long sequences.
 settings.register_profile(

@@ -2,10 +2,13 @@
 every event and the awkward interleavings, INV-1..7 on the core's own trace after every rule.
 
 No trio, no threads, no processes: each example is a fresh ``EngineCore`` driven by numbers,
-so hundreds of examples run in seconds and every ``make test`` runs at least 200 per mode.
+so hundreds of examples run in seconds and every ``make test`` runs at least 200 per mode
+(``make test-fast``, with the ``fast`` Hypothesis profile, runs that profile's few).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,7 +18,11 @@ from omni_trio.testing.core_machine import CoreMachineOptions, make_core_machine
 
 CORE_SETTINGS = settings(
     settings.default,
-    max_examples=max(200, settings.default.max_examples),
+    max_examples=(
+        settings.default.max_examples
+        if os.environ.get("HYPOTHESIS_PROFILE") == "fast"
+        else max(200, settings.default.max_examples)
+    ),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, settings
 
 from omni_trio.testing.machine import CampaignStats, MachineOptions, run_engine_machine
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 # (examples, steps per example) per profile and backend: a tractor example spawns worker
 # processes (about 2 s per engine start or restart on 2 vCPUs).
 _BUDGETS = {

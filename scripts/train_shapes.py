@@ -190,7 +190,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             pipe.save_pretrained(staged, safe_serialization=True)
         (staged / "training.json").write_text(json.dumps(record, indent=2) + "\n", "utf-8")
         (staged / MARKER).write_text(
-            json.dumps({"name": "builtin:shapes", "version": 1}) + "\n", "utf-8"
+            json.dumps(
+                # The sizes it draws well, measured with the judge (docs/user-guide.md).
+                {"name": "builtin:shapes", "version": 1, "min_side": 24, "max_side": 64}
+            )
+            + "\n",
+            "utf-8",
         )
         out = Path(args.out)
         if out.exists():

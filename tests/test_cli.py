@@ -13,6 +13,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -22,6 +23,8 @@ from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from omni_trio.models import decode_echo_image
 from omni_trio.models.shapes import SHAPES
 from tests.fakes import ScriptedModel, register_models
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 
 def _echo(*args: str, cache_dir: Path) -> list[str]:
@@ -434,10 +437,10 @@ def test_demo_falls_back_to_one_sequence_for_a_model_that_cannot_batch(
     assert "max_num_seqs=1" in capsys.readouterr().err
 
 
-def test_the_demo_draws_with_builtin_shapes_and_generate_keeps_tiny_sd() -> None:
+def test_demo_and_generate_draw_with_builtin_shapes() -> None:
     parser = cli.build_parser()
     assert parser.parse_args(["demo"]).model == "builtin:shapes"
-    assert parser.parse_args(["generate", "x"]).model == "builtin:tiny-sd"
+    assert parser.parse_args(["generate", "x"]).model == "builtin:shapes"
     assert all(any(shape in prompt for shape in SHAPES) for prompt in cli.DEMO_PROMPTS)
 
 
@@ -454,3 +457,449 @@ def test_demo_on_builtin_shapes_writes_the_grid_and_the_previews(
     assert Image.open(grid).width == 2 * (160 + 12)
     strip = Image.open(tmp_path / "demo-previews.png")
     assert strip.width == 4 * (80 + 12)  # previews after steps 1, 2, 3, then the final image
+
+
+# -- bad input is one line, before anything starts (#21) ----------------------------------------
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _one_error_line(err: str) -> str:
+    """The only line of ``err``: ``omni-trio: error: ...`` (no warning, no traceback)."""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("omni-trio: error: ")
+    return lines[0].removeprefix("omni-trio: error: ")
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting an engine fails the test: what is checked must be checked before it."""
+    from omni_trio.runtime import engine
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(engine.AsyncEngine, "__init__", refuse)
+
+
+_COMMANDS = {
+    "generate": ["generate", "x"],
+    "demo": ["demo", "--progress", "none"],
+    "serve": ["serve", "--model", "builtin:echo", "--port", "0"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+@pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:7"])
+def test_a_bad_device_is_one_line_and_exit_2_before_anything_starts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_engine: None,
+    command: str,
+    device: str,
+) -> None:
+    if device.startswith("cuda") and _cuda_available() and device == "cuda":
+        pytest.skip("this machine has CUDA")
+    argv = [*_COMMANDS[command], "--device", device, "--cache-dir", str(tmp_path / "cache")]
+    if command != "serve":
+        argv += ["--out" if command == "demo" else "-o", str(tmp_path / "o.png")]
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    message = _one_error_line(captured.err)
+    assert f"device {device!r}" in message
+    assert captured.out == ""
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("nosuch", "model 'nosuch' is neither a built-in"),
+        ("builtin:nosuch", "unknown built-in model 'builtin:nosuch'"),
+        ("MISSING", "is neither a built-in"),
+        ("EMPTY", "is not a diffusers pipeline (no model_index.json)"),
+    ],
+)
+def test_an_unknown_model_is_one_line_before_the_engine_starts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_engine: None,
+    command: str,
+    model: str,
+    expected: str,
+) -> None:
+    if model == "MISSING":
+        model = str(tmp_path / "no" / "such" / "dir")
+    elif model == "EMPTY":
+        (tmp_path / "empty").mkdir()
+        model = str(tmp_path / "empty")
+    argv = [*_COMMANDS[command], "--model", model, "--cache-dir", str(tmp_path / "cache")]
+    argv += ["--out" if command == "demo" else "-o", str(tmp_path / "o.png")]
+    assert main(argv) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err)  # no "WARNING ... failed" line first
+    assert captured.out == ""
+
+
+def test_a_hub_id_says_how_to_make_a_local_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_engine: None
+) -> None:
+    argv = ["generate", "x", "--model", "stabilityai/sd-turbo", "-o", str(tmp_path / "o.png")]
+    assert main(argv) == EXIT_USAGE
+    message = _one_error_line(capsys.readouterr().err)
+    assert "looks like a Hugging Face Hub id" in message
+    assert "huggingface-cli download stabilityai/sd-turbo --local-dir DIR" in message
+    assert "snapshot_download('stabilityai/sd-turbo', local_dir=DIR)" in message
+    assert message.endswith("(--model DIR)")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--workers", "3"], "cfg_parallel splits each guidance step between exactly 2 workers"),
+        (["--backend", "inproc", "--workers", "2"], "the inproc backend runs exactly one worker"),
+    ],
+)
+def test_cross_field_errors_are_one_line_before_anything_starts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_engine: None,
+    flags: list[str],
+    expected: str,
+) -> None:
+    argv = ["generate", "x", "--model", "builtin:echo", *flags, "-o", str(tmp_path / "o.png")]
+    assert main(argv) == EXIT_USAGE
+    assert expected in _one_error_line(capsys.readouterr().err)
+
+
+# -- argparse: subcommand usage, -v anywhere, defaults, no markup (#21) --------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "error"),
+    [
+        (
+            ["generate", "x", "--stepz", "3"],
+            "usage: omni-trio generate ",
+            "omni-trio generate: error: unrecognized arguments: --stepz 3 (did you mean --steps?)",
+        ),
+        (
+            ["serve", "--model", "builtin:echo", "--portt", "1"],
+            "usage: omni-trio serve ",
+            "omni-trio serve: error: unrecognized arguments: --portt 1 (did you mean --port?)",
+        ),
+        (
+            ["demo", "--promptz", "a"],
+            "usage: omni-trio demo ",
+            "omni-trio demo: error: unrecognized arguments: --promptz a",
+        ),
+        (["--bogus", "version"], "usage: omni-trio ", "omni-trio: error: unrecognized arguments"),
+    ],
+)
+def test_a_typo_shows_the_usage_of_the_command_it_was_given_to(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str, error: str
+) -> None:
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(usage)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith(error)
+    assert "Traceback" not in err
+
+
+def test_verbose_is_accepted_after_the_subcommand_too(tmp_path: Path, cache_dir: Path) -> None:
+    import logging
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "x"]).verbose == 0
+    assert parser.parse_args(["-v", "generate", "x"]).verbose == 1
+    assert parser.parse_args(["generate", "x", "-v"]).verbose == 1
+    assert parser.parse_args(["generate", "-vv", "x"]).verbose == 2
+    assert parser.parse_args(["-vv", "demo"]).verbose == 2  # not reset by the subcommand
+    for argv in (["demo", "-v"], ["serve", "-v"], ["fuzz", "-v"], ["version", "--verbose"]):
+        assert parser.parse_args(argv).verbose == 1, argv
+    logger = logging.getLogger("omni_trio")
+    level = logger.level
+    try:
+        argv = _echo("generate", "x", "--steps", "1", "-q", "-vv", cache_dir=cache_dir)
+        assert main([*argv, "-o", str(tmp_path / "o.png")]) == EXIT_OK
+        assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(level)
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                found.extend(_every_parser(sub))
+    return found
+
+
+def test_no_help_shows_docstring_markup() -> None:
+    import re
+
+    parsers = _every_parser(cli.build_parser())
+    names = {p.prog for p in parsers}
+    assert {"omni-trio bench overhead", "omni-trio serve", "omni-trio fuzz"} <= names
+    for parser in parsers:
+        text = parser.format_help()
+        assert "``" not in text, parser.prog
+        assert not re.search(r":[a-z]+:`", text), parser.prog
+    from omni_trio.bench.__main__ import main as bench_main
+
+    for name in ("overhead", "scheduler", "quality"):
+        with pytest.raises(SystemExit):
+            bench_main([name, "--help"])
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    def help_of(*argv: str) -> str:
+        assert main([*argv, "--help"]) == EXIT_OK
+        return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+    serve = help_of("serve")
+    for text in (
+        "independent engines behind the router (default: 1)",
+        "(default: 30.0)",  # --drain-timeout
+        "most images per request (n) (default: 4)",
+        "(required, here or in --config)",  # --model
+        "(default: inproc for one worker, tractor for more)",  # --backend
+        "warm every replica up before ready (default: on)",
+    ):
+        assert text in serve
+    generate = help_of("generate")
+    for text in ("denoising steps (default: 20)", "guidance scale (default: 7.5)"):
+        assert text in generate
+    assert "directory (default: builtin:shapes)" in generate
+    assert "(default: None)" not in generate + serve
+    demo = help_of("demo")
+    assert f"(default: {cli.DEMO_BASE_SEED})" in demo
+    assert "grid tile size in pixels (default: 160)" in demo
+
+
+# -- generate: loading phases, --backend, --workers, --config (#21) -----------------------------
+
+
+def test_generate_shows_the_loading_phases_on_stderr_only(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.png"
+    argv = _echo("generate", "x", "--steps", "1", "-o", str(out), cache_dir=cache_dir)
+    assert main([*argv, "--warmup"]) == EXIT_OK
+    captured = capsys.readouterr()
+    first = captured.err.splitlines()[0]
+    assert first.startswith("loading builtin:echo: import… load… warmup… ready (")
+    assert first.endswith(" s)")
+    assert "loading" not in captured.out  # stdout stays the result lines
+    assert captured.out.startswith(f"wrote {out}")
+    assert main(argv) == EXIT_OK
+    assert capsys.readouterr().err.startswith("loading builtin:echo: import… load… ready (")
+
+
+def test_generate_redraws_the_loading_line_on_a_terminal(
+    tmp_path: Path,
+    cache_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(cli, "_is_tty", lambda stream: True)
+    argv = _echo(
+        "generate", "x", "--steps", "1", "-o", str(tmp_path / "o.png"), cache_dir=cache_dir
+    )
+    assert main(argv) == EXIT_OK
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "\rloading builtin:echo: import…\x1b[K\rloading builtin:echo: import… load…"
+    )
+    assert "ready (" in err.split("\n", 1)[0]
+
+
+def test_generate_quiet_draws_nothing(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _echo(
+        "generate", "x", "--steps", "1", "-q", "-o", str(tmp_path / "o.png"), cache_dir=cache_dir
+    )
+    assert main(argv) == EXIT_OK
+    assert capsys.readouterr().err == ""
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_generate_reads_the_engine_table_of_a_serve_config(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The daemon's keys are allowed (the same file serves both); flags beat the file.
+    config = _write(
+        tmp_path / "serve.toml",
+        f'port = 9000\nreplicas = 2\n[engine]\nmodel = "builtin:echo"\n'
+        f'cache_dir = "{cache_dir}"\nwarmup = true\n',
+    )
+    out = tmp_path / "o.png"
+    argv = ["generate", "x", "--config", str(config), "--steps", "2", "--seed", "4"]
+    assert main([*argv, "-o", str(out)]) == EXIT_OK
+    _, seed, _ = decode_echo_image(Image.open(out))  # the file's model drew it
+    assert seed == 4
+    assert "loading builtin:echo: import… load… warmup… ready" in capsys.readouterr().err
+    assert main([*argv, "--no-warmup", "-o", str(out)]) == EXIT_OK
+    assert "warmup" not in capsys.readouterr().err
+    # A flag beats the file's model.
+    bad = _write(tmp_path / "bad-model.toml", '[engine]\nmodel = "builtin:nosuch"\n')
+    argv = _echo("generate", "x", "--config", str(bad), "--steps", "1", cache_dir=cache_dir)
+    assert main([*argv, "-o", str(out)]) == EXIT_OK
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[engine]\nmodle = "builtin:echo"\n', "unknown EngineConfig field(s): modle"),
+        ("prot = 1\n", "unknown setting(s): prot"),
+        ("[engine]\nnum_workers = 0\n", "[engine] num_workers must be a positive integer"),
+        ("[engine\n", "is not valid TOML"),
+    ],
+)
+def test_generate_a_bad_config_file_is_one_line_naming_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_engine: None,
+    text: str,
+    expected: str,
+) -> None:
+    config = _write(tmp_path / "bad.toml", text)
+    argv = ["generate", "x", "--config", str(config), "-o", str(tmp_path / "o.png")]
+    assert main(argv) == EXIT_USAGE
+    message = _one_error_line(capsys.readouterr().err)
+    assert expected in message
+    assert "bad.toml" in message
+    assert main(["generate", "x", "--config", str(tmp_path / "none.toml")]) == EXIT_USAGE
+    assert "not found" in _one_error_line(capsys.readouterr().err)
+
+
+def test_generate_runs_on_the_tractor_backend(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The one real run of --backend/--workers: a worker process is started and used."""
+    out = tmp_path / "o.png"
+    argv = _echo("generate", "x", "--backend", "tractor", "--workers", "1", cache_dir=cache_dir)
+    assert main([*argv, "--steps", "1", "--seed", "3", "--threads", "1", "-o", str(out)]) == 0
+    assert decode_echo_image(Image.open(out))[1] == 3
+    err = capsys.readouterr().err
+    assert err.startswith("loading builtin:echo: start 1 tractor worker(s)… ready (")
+
+
+# -- demo: the user's prompts (#21) ---------------------------------------------------------------
+
+
+def test_demo_takes_the_users_prompts(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = _write(tmp_path / "prompts.txt", "# mine\na green frog\n\n  a tall tower  \n")
+    argv = _echo(
+        "demo",
+        "--prompt",
+        "a red kite",
+        "--prompts-file",
+        str(prompts),
+        "--steps",
+        "1",
+        "--no-warmup",
+        "--no-previews",
+        "--progress",
+        "none",
+        "--out",
+        str(tmp_path / "g.png"),
+        cache_dir=cache_dir,
+    )
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "3 prompts" in out
+    rows = [line for line in out.splitlines() if line.startswith("demo-")]
+    assert [row.split("  ")[1].strip() for row in rows] == [
+        "a red kite",
+        "a green frog",
+        "a tall tower",
+    ]
+    # --prompts repeats them
+    assert main([*argv, "--prompts", "5"]) == EXIT_OK
+    assert "5/5 completed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [(None, "cannot read prompts file"), ("\n# x\n", "holds no prompt")]
+)
+def test_demo_a_bad_prompts_file_is_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    no_engine: None,
+    text: str | None,
+    expected: str,
+) -> None:
+    path = tmp_path / "prompts.txt"
+    if text is not None:
+        path.write_text(text)
+    argv = ["demo", "--model", "builtin:echo", "--prompts-file", str(path)]
+    assert main([*argv, "--out", str(tmp_path / "g.png")]) == EXIT_USAGE
+    assert expected in _one_error_line(capsys.readouterr().err)
+
+
+def test_the_demo_prompts_are_drawn_as_asked(cache_dir: Path) -> None:
+    """Each default demo prompt, at its seed, is one shape of the asked colour and kind
+    (the first is also the previews strip's subject)."""
+    import numpy as np
+    import trio
+
+    from omni_trio import SamplingParams, open_engine
+    from omni_trio.models.shapes import COLOURS, judge
+
+    async def render() -> dict[int, Any]:
+        outputs: dict[int, Any] = {}
+        config = {"torch_threads": 1, "warmup": False, "max_num_seqs": 4}
+        with trio.fail_after(300):
+            async with (
+                open_engine(model="builtin:shapes", cache_dir=str(cache_dir), **config) as e,
+                trio.open_nursery() as nursery,
+            ):
+                for i, prompt in enumerate(cli.DEMO_PROMPTS):
+
+                    async def one(i: int = i, prompt: str = prompt) -> None:
+                        params = SamplingParams(seed=cli.DEMO_BASE_SEED + i, output_type="pil")
+                        outputs[i] = await e.generate(prompt, params)
+
+                    nursery.start_soon(one)
+        return outputs
+
+    outputs = trio.run(render)
+    for i, prompt in enumerate(cli.DEMO_PROMPTS):
+        verdict = judge(np.asarray(outputs[i].images[0], dtype=np.float64) / 255.0)
+        colour = next(word for word in prompt.split() if word in COLOURS)
+        shape = next(word for word in prompt.split() if word in SHAPES)
+        assert (verdict.colour, verdict.shape) == (colour, shape), (prompt, verdict)
+        assert verdict.fit >= 0.88, (prompt, verdict)  # the old "red circle" blob: 0.87
+
+
+def test_serve_with_an_unknown_model_is_one_line_before_anything_listens(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_trio.serve import daemon
+
+    def must_not_start(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the daemon started")
+
+    monkeypatch.setattr(daemon, "serve_daemon", must_not_start)
+    for model, says in (("nosuch", "neither a built-in"), ("org/model", "huggingface-cli")):
+        assert main(["serve", "--model", model]) == EXIT_USAGE
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err

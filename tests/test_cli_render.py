@@ -14,12 +14,14 @@ from omni_trio._cli_render import (
     format_ms,
     format_statistics,
     format_table,
+    loading_line,
     output_paths,
     parse_size,
     progress_line,
     redraw_block,
     render_bar,
     status_label,
+    strip_rest,
     truncate,
 )
 from omni_trio.runtime.engine import EngineStatistics, PhaseSummary
@@ -202,3 +204,31 @@ def test_build_grid_rejects_bad_input() -> None:
         build_grid([])
     with pytest.raises(ValueError, match="captions"):
         build_grid([_solid((0, 0, 0))], ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "``bench quality``: does ``builtin:shapes`` draw?",
+            "bench quality: does builtin:shapes draw?",
+        ),
+        ("see :class:`~omni_trio.config.EngineConfig`", "see EngineConfig"),
+        ("see :class:`omni_trio.config.EngineConfig`", "see omni_trio.config.EngineConfig"),
+        ("the :func:`engine <omni_trio.open_engine>` opens", "the engine opens"),
+        (":py:meth:`AsyncEngine.stream` and :data:`FLAGS`", "AsyncEngine.stream and FLAGS"),
+        ("Example::", "Example:"),
+        ("a `single` backtick and a time 10:30 stay", "a `single` backtick and a time 10:30 stay"),
+    ],
+)
+def test_strip_rest_leaves_plain_text_for_a_terminal(text: str, expected: str) -> None:
+    assert strip_rest(text) == expected
+
+
+def test_loading_line_lists_the_phases_then_the_time() -> None:
+    assert loading_line("builtin:shapes", []) == "loading builtin:shapes:"
+    assert loading_line("m", ["import"]) == "loading m: import…"
+    assert (
+        loading_line("builtin:shapes", ["import", "load", "warmup"], 3.94)
+        == "loading builtin:shapes: import… load… warmup… ready (3.9 s)"
+    )

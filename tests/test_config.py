@@ -13,10 +13,17 @@ from omni_trio._core.request import RequestLimits
 from omni_trio.config import (
     BACKENDS,
     EngineConfig,
+    check_device_available,
     default_cache_dir,
     default_torch_threads,
 )
 from omni_trio.errors import InvalidConfigError
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class _CustomExecutor:
@@ -38,14 +45,114 @@ def test_defaults_are_valid() -> None:
 def test_the_backend_is_chosen_by_worker_count_unless_set() -> None:
     assert EngineConfig(num_workers=1).backend == "inproc"
     assert EngineConfig(num_workers=2).backend == "tractor"
-    assert EngineConfig(backend="auto", num_workers=3).backend == "tractor"
+    assert EngineConfig(backend="auto", num_workers=3, cfg_parallel=False).backend == "tractor"
     assert EngineConfig(backend="ray", num_workers=2).backend == "ray"
     assert EngineConfig(backend="tractor").backend == "tractor"
-    # An explicit choice stays: the inproc executor refuses two workers when it starts.
-    assert EngineConfig(backend="inproc", num_workers=2).backend == "inproc"
     # The resolved choice is what the config says from then on.
     chosen = EngineConfig(num_workers=2)
     assert EngineConfig.from_dict({"backend": chosen.backend, "num_workers": 2}) == chosen
+
+
+def test_replace_chooses_a_counted_backend_again() -> None:
+    # open_engine(num_workers=2) is EngineConfig().replace(num_workers=2): it must not keep
+    # the inproc backend that one worker chose (that config would be refused).
+    auto = EngineConfig()
+    assert auto.backend_by_count
+    assert auto.replace(num_workers=2).backend == "tractor"
+    assert auto.replace(num_workers=2).replace(num_workers=1).backend == "inproc"
+    assert auto.replace(max_num_seqs=2).backend == "inproc"
+    # A backend that was named stays named.
+    named = EngineConfig(backend="tractor")
+    assert not named.backend_by_count
+    assert named.replace(num_workers=1).backend == "tractor"
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(backend="inproc").replace(num_workers=2)
+    assert info.value.field == "num_workers"
+    assert EngineConfig(num_workers=2).replace(backend="ray").backend == "ray"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        (
+            {"backend": "inproc", "num_workers": 2},
+            "num_workers",
+            "the inproc backend runs exactly one worker, not num_workers=2",
+        ),
+        (
+            {"num_workers": 3},
+            "cfg_parallel",
+            "cfg_parallel splits each guidance step between exactly 2 workers, so it cannot "
+            "use num_workers=3; use num_workers=2, or cfg_parallel=False",
+        ),
+        ({"backend": "ray", "num_workers": 4}, "cfg_parallel", "num_workers=4"),
+    ],
+)
+def test_cross_field_rules_are_checked_when_the_config_is_made(
+    fields: dict[str, Any], field: str, message: str
+) -> None:
+    # These used to fail only when the engine opened, after seconds of starting workers.
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        EngineConfig(**fields)
+    assert info.value.field == field
+    assert "\n" not in str(info.value)
+    with pytest.raises(InvalidConfigError) as replaced:
+        EngineConfig(cfg_parallel=fields.get("cfg_parallel", True)).replace(**fields)
+    assert replaced.value.field == field
+
+
+def test_cross_field_rules_accept_what_the_workers_can_run() -> None:
+    assert EngineConfig(num_workers=3, cfg_parallel=False).num_workers == 3
+    assert EngineConfig(num_workers=2, cfg_parallel=True).backend == "tractor"
+    assert EngineConfig(backend="tractor", num_workers=1, cfg_parallel=True).num_workers == 1
+    # A custom executor is given the config as it is.
+    assert EngineConfig(backend=_CustomExecutor, num_workers=2).num_workers == 2
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:", "cuda:x", "CUDA", "cuda:0:1", "", 0])
+def test_an_unknown_device_is_refused_naming_the_types(device: Any) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(device=device)
+    assert info.value.field == "device"
+    assert "expected one of cpu, cuda, mps, xpu" in str(info.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_cpu_is_always_available(device: str) -> None:
+    assert EngineConfig(device=device).device == device
+
+
+@pytest.mark.skipif(_cuda_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("backend", ["inproc", "tractor"])
+def test_cuda_on_a_cpu_only_torch_is_refused_when_the_config_is_made(backend: str) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(device="cuda", backend=backend)
+    assert info.value.field == "device"
+    message = str(info.value)
+    assert message.startswith("device 'cuda' is not available: ")
+    assert "\n" not in message
+    with pytest.raises(InvalidConfigError):
+        check_device_available("cuda:1")
+    with pytest.raises(InvalidConfigError, match="'mps' is not available"):
+        EngineConfig(device="mps")
+
+
+def test_a_device_is_left_to_remote_workers_on_ray() -> None:
+    # Ray workers may run on other machines: only the name is checked here.
+    assert EngineConfig(device="cuda:3", backend="ray").device == "cuda:3"
+    with pytest.raises(InvalidConfigError):
+        EngineConfig(device="tpu", backend="ray")
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a GPU")
+def test_cuda_is_accepted_where_torch_sees_a_gpu() -> None:
+    import torch
+
+    count = torch.cuda.device_count()
+    assert EngineConfig(device="cuda").device == "cuda"
+    assert EngineConfig(device=f"cuda:{count - 1}").device == f"cuda:{count - 1}"
+    with pytest.raises(InvalidConfigError, match=f"torch sees {count} CUDA device"):
+        EngineConfig(device=f"cuda:{count}")
 
 
 def test_is_frozen_and_keyword_only() -> None:
@@ -260,10 +367,12 @@ def test_torch_threads_divides_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_torch_threads(3) == 2
     assert default_torch_threads(16) == 1
     assert default_torch_threads(0) == 7
-    assert EngineConfig(num_workers=4).resolved_torch_threads == 1
+    assert EngineConfig(num_workers=4, cfg_parallel=False).resolved_torch_threads == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert default_torch_threads(1) == 1
-    assert EngineConfig(num_workers=4, torch_threads=3).resolved_torch_threads == 3
+    assert (
+        EngineConfig(num_workers=4, torch_threads=3, cfg_parallel=False).resolved_torch_threads == 3
+    )
 
 
 def test_from_dict_with_a_non_string_key_names_it() -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.test_readme import python_blocks
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "execution-modes.md"
 _TIMEOUT_S = 180.0
 

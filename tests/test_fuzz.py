@@ -34,6 +34,8 @@ from omni_trio.testing.machine import (
 )
 from tests.test_readme import python_blocks
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "fuzzing.md"
 _SUMMARY = re.compile(
     r"^summary  examples (\d+)  rules (\d+) \([\d.]+/s\)  requests (\d+) \([\d.]+/s\)  "

@@ -24,6 +24,7 @@ EXPECTED = {
     "OmniTrioError",
     "RequestAbortedError",
     "RequestFailedError",
+    "RequestTooCostlyError",
     "RequestMetrics",
     "RequestStatus",
     "RequestStream",

@@ -7,6 +7,7 @@ return); every timed test runs on an autojumping ``MockClock`` and asserts exact
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -220,6 +221,37 @@ async def test_a_failed_first_start_propagates_unchanged_and_is_not_restarted(
     assert (b.starts, c.starts, supervisor.restarts) == (1, 0, 0)
     assert states(supervisor)["b"] is ChildState.FAILED
     assert supervisor.children()[1].last_error == "ValueError: bad config"
+
+
+async def test_a_failed_first_start_is_left_to_the_caller_to_report(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It propagates to serve's caller, who reports it: a warning too would say it twice
+    # (omni-trio generate --model nosuch printed a WARNING line before its error).
+    caplog.set_level(logging.DEBUG, logger="omni_trio.supervisor")
+    a = FakeChild("a", start_errors=[ValueError("bad model")])
+    with trio.fail_after(CAP_S), pytest.raises(ValueError):
+        await Supervisor([a.spec()], name="engine").serve()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert records == [("DEBUG", "engine: child a failed: ValueError: bad model")]
+
+
+async def test_a_failure_after_the_start_is_still_a_warning(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = FakeChild("a")
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(Supervisor([a.spec()], policy=EXACT, name="engine").serve)
+            a.start_errors.append(OSError("port in use"))
+            a.fail(RuntimeError("boom"))
+            await a.wait_ready(2)
+            nursery.cancel_scope.cancel()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "engine: child a failed: RuntimeError: boom",
+        "engine: child a failed: OSError: port in use",  # a failed restart is one too
+    ]
 
 
 async def test_cancelling_serve_cancels_every_child(

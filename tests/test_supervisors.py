@@ -16,6 +16,8 @@ import pytest
 
 from omni_trio.serve.config import ServeConfig
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SUPERVISORS = ROOT / "supervisors"
 UNIT = SUPERVISORS / "systemd" / "omni-trio.service"

@@ -53,6 +53,7 @@ from ..errors import (
     InvalidRequestError,
     WorkerError,
 )
+from .cost import CostModel
 from .faults import FAULTS_KEY, WARMUP_REQUEST_ID, parse_faults
 from .health import (
     EngineHealth,
@@ -126,6 +127,10 @@ class CoreConfig:
     fault_injection: bool = False
     # How long a PACKING request may wait for its output (INV-6), seconds.
     output_timeout_s: float = 600.0
+    # The compute budget (see .cost): with a cost model, a request estimated over either
+    # is refused at admission (None: no limit).
+    max_request_s: float | None = None
+    max_step_s: float | None = None
 
 
 # -- instructions ---------------------------------------------------------------------------
@@ -227,6 +232,8 @@ class EngineCore:
         self._deadlines: list[tuple[float, int, str, str]] = []
         self._deadline_seq = itertools.count()
         self.model_info: ModelInfo | None = None
+        # Measured at warmup (the shell's calibration); kept across group restarts.
+        self.cost_model: CostModel | None = None
         self.group = GroupState.STARTING
         self.generation = 0
         self.closed = False
@@ -385,6 +392,7 @@ class EngineCore:
         limits = self.config.limits
         validate_request(request, limits)
         request = self._resolve_defaults(request)
+        self._check_cost(request)
         rid = request.request_id
         if rid in self._entries:
             raise DuplicateRequestError(rid)
@@ -414,6 +422,7 @@ class EngineCore:
         changes: dict[str, Any] = {}
         info = self.model_info
         if info is not None:
+            info.check_extra_args(sp.extra_args)
             height, width = info.resolve_size(sp.height, sp.width)
             if height != sp.height:
                 changes["height"] = height
@@ -426,6 +435,23 @@ class EngineCore:
         request = request.replace(sampling=sp.replace(**changes))
         validate_request(request, self.config.limits)  # the filled-in size obeys the limits too
         return request
+
+    def _check_cost(self, request: DiffusionRequest) -> None:
+        """Refuse a request estimated over the compute budget (``RequestTooCostlyError``)."""
+        cost, config = self.cost_model, self.config
+        if cost is None or (config.max_request_s is None and config.max_step_s is None):
+            return
+        sp = request.sampling
+        if sp.height is None or sp.width is None:  # no model info yet: nothing to scale
+            return
+        cost.check(
+            sp.height,
+            sp.width,
+            sp.total_steps,
+            sp.num_outputs_per_prompt,
+            max_request_s=config.max_request_s,
+            max_step_s=config.max_step_s,
+        )
 
     def _check_faults(self, request: DiffusionRequest) -> None:
         """Fault injection only where the config allows it, and only well-formed."""
@@ -1020,6 +1046,7 @@ class EngineCore:
             execution_ms=execution,
             postprocess_ms=timings.get("postprocess_ms", 0.0),
             e2e_ms=(end - state.queued_at) * 1000.0,
+            step_ms=timings.get("step_ms"),
         )
         if count:
             t = self._timings

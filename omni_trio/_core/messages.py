@@ -200,12 +200,15 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class RequestMetrics:
-    """Per-request timings in milliseconds."""
+    """Per-request timings in milliseconds; ``step_ms`` is one denoising step of the
+    request's forward (the median between step ends), None when the worker did not time
+    steps (fewer than two, or step mode)."""
 
     queue_wait_ms: float = 0.0
     execution_ms: float = 0.0
     postprocess_ms: float = 0.0
     e2e_ms: float = 0.0
+    step_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,16 +6,20 @@ other sizes are allowed, what a warmup request looks like) is answered here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 from ..errors import InvalidRequestError
+from .faults import FAULTS_KEY
 from .request import SamplingParams
 
 __all__ = ["FAMILIES", "Family", "ModelInfo"]
 
 Family = Literal["text2image", "unconditional", "echo"]
 FAMILIES: tuple[str, ...] = ("text2image", "unconditional", "echo")
+_GUIDANCE = SamplingParams().guidance_scale
+_SET_FIELDS = ("extra_args", "ignored_params")
 # Warmup renders at most this size (it only has to touch every code path once).
 _WARMUP_MAX_SIDE = 64
 
@@ -33,6 +37,15 @@ class ModelInfo:
     family implies (an unconditional UNet renders the one size it was trained at).
     ``min_side``: the smallest height and width it renders (a UNet's GroupNorms need more
     than one value per group at its deepest level); smaller sizes are refused at admission.
+    ``max_side``: the largest it renders well (None: no bound of its own); larger sizes are
+    refused at admission.
+    ``extra_args``: the ``SamplingParams.extra_args`` keys it reads; any other key (beside
+    the runtime's own ``faults``) is refused at admission.  None: the model checks them.
+    ``ignored_params``: sampling fields it accepts but does not use (an unconditional model
+    ignores ``prompt``, ``negative_prompt`` and ``guidance_scale``); the engine warns once.
+    ``calibrate``: its step time is measured at warmup for the compute budget (see
+    ``omni_trio._core.cost``); the diffusers models say True, fakes and echo (whose time is
+    what its options say) leave it False.
     """
 
     name: str
@@ -45,6 +58,10 @@ class ModelInfo:
     fixed_size: bool | None = None
     # The smallest height and width it renders (pixels; smaller sizes are refused).
     min_side: int = 8
+    max_side: int | None = None
+    extra_args: frozenset[str] | None = None
+    ignored_params: frozenset[str] = frozenset()
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.fixed_size is None:
@@ -70,7 +87,57 @@ class ModelInfo:
                 f"not {w}x{h}",
                 param="size",
             )
+        if self.max_side is not None and max(h, w) > self.max_side:
+            raise InvalidRequestError(
+                f"model {self.name} renders sizes up to {self.max_side}x{self.max_side}, "
+                f"not {w}x{h}",
+                param="size",
+            )
         return h, w
+
+    def check_extra_args(self, extra_args: Mapping[str, Any]) -> None:
+        """Raise :class:`InvalidRequestError` (``param="extra_args"``) for a key this model
+        does not read (``faults`` is the runtime's, checked apart)."""
+        if self.extra_args is None:
+            return
+        unknown = sorted(str(k) for k in extra_args if k not in self.extra_args and k != FAULTS_KEY)
+        if unknown:
+            reads = ", ".join(sorted(self.extra_args)) if self.extra_args else "none"
+            raise InvalidRequestError(
+                f"model {self.name} does not read extra_args {', '.join(map(repr, unknown))} "
+                f"(it reads: {reads})",
+                param="extra_args",
+            )
+
+    def ignored(self, sampling: SamplingParams) -> tuple[str, ...]:
+        """The fields of ``sampling`` this model will not use although they are set."""
+        if not self.ignored_params:
+            return ()
+        names = []
+        if "prompt" in self.ignored_params:
+            names.append("prompt")
+        if "negative_prompt" in self.ignored_params and sampling.negative_prompt:
+            names.append("negative_prompt")
+        if "guidance_scale" in self.ignored_params and sampling.guidance_scale != _GUIDANCE:
+            names.append("guidance_scale")
+        return tuple(names)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (sets as sorted lists), for the wire; see :meth:`from_dict`."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key, value in data.items():
+            if isinstance(value, frozenset):
+                data[key] = sorted(value)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelInfo:
+        """The inverse of :meth:`to_dict`."""
+        data = dict(data)
+        for key in _SET_FIELDS:
+            if data.get(key) is not None:
+                data[key] = frozenset(data[key])
+        return cls(**data)
 
     def warmup_sampling(self) -> SamplingParams:
         """A small request (2 steps, seed 0) that runs every code path of this model once."""
@@ -78,4 +145,5 @@ class ModelInfo:
             size: int | None = None
         else:
             size = min(_WARMUP_MAX_SIDE, self.default_height, self.default_width)
+            size = max(size, self.min_side)
         return SamplingParams(height=size, width=size, num_inference_steps=2, seed=0)

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._cli_args import HelpFormatter
+from .._cli_render import strip_rest
 from ..errors import OmniTrioError
 from .harness import Report, command_line
 
@@ -64,15 +66,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_bench)
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     for name in EXPERIMENTS:
-        p = sub.add_parser(name, help=_HELP[name], description=_experiment_module_doc(name))
+        p = sub.add_parser(
+            name,
+            help=_HELP[name],
+            description=_experiment_module_doc(name),
+            formatter_class=HelpFormatter,  # defaults shown, no docstring markup
+        )
         _add_common(p)
         _experiment_module(name).add_arguments(p)
         p.set_defaults(func=run_bench, experiment=name)
 
 
 def _experiment_module_doc(name: str) -> str | None:
+    """The first paragraph of the experiment's docstring, without its reST markup."""
     doc: str | None = _experiment_module(name).__doc__
-    return doc.split("\n\n")[0] if doc else None
+    return strip_rest(doc.split("\n\n")[0]) if doc else None
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:

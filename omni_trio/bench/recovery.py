@@ -44,7 +44,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -66,14 +69,27 @@ FAULTS = ("kill", "hang", "rpc-timeout")
 HANG_STALL_S = 1.0
 RPC_TIMEOUT_S = 1.0
 COLUMNS = ["part", "figure", "n", "median", "min", "max", "target", "met"]
+PARTS = ("recovery", "soak", "poison", "slow-clients")
+# The slow-client part: the daemon's settings it runs with, the answer each stalled reader
+# asks for (an echo image, base64 PNG, ~250 KB), and how much RSS may grow beyond the
+# response-memory bound (the Python heap, hypercorn's per-connection state).
+SLOW_DRAIN_S = 5.0
+SLOW_SEND_TIMEOUT_S = 5.0
+SLOW_RESPONSE_BYTES = 64 * 2**20
+SLOW_SIZE = "256x256"
+SLOW_RSS_SLACK = 96 * 2**20
+# The poison part: the prompt that crashes the worker (model option fault_crash_on_prompt)
+# and the bystanders' success rate it must keep.
+POISON_PROMPT = "poison"
+TARGET_BYSTANDER_SUCCESS = 0.99
 _K = TraceKind
 
 
 def _parts(text: str) -> tuple[str, ...]:
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in parts if p not in ("recovery", "soak")]
+    bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"parts are recovery and soak, got {text!r}")
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}, got {text!r}")
     return parts
 
 
@@ -98,7 +114,12 @@ def _positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", type=_parts, default=("recovery", "soak"))
+    parser.add_argument(
+        "--parts",
+        type=_parts,
+        default=("recovery", "soak"),
+        help="recovery, soak and/or poison (default recovery,soak)",
+    )
     parser.add_argument(
         "--backends",
         type=_choices(BACKENDS, "backends"),
@@ -118,6 +139,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--soak-s", type=_positive_float, default=60.0)
     parser.add_argument("--kill-every-s", type=_positive_float, default=4.0)
+    parser.add_argument(
+        "--poison-s",
+        type=_positive_float,
+        default=60.0,
+        help="poison part: how long poison requests keep coming",
+    )
+    parser.add_argument(
+        "--slow-clients",
+        type=int,
+        default=500,
+        help="slow-clients part: connections that send a generation and never read",
+    )
+    parser.add_argument(
+        "--slow-s",
+        type=_positive_float,
+        default=15.0,
+        help="slow-clients part: how long the stalled readers hold on before the SIGTERM",
+    )
+    parser.add_argument(
+        "--poison-every-s",
+        type=_positive_float,
+        default=1.0,
+        help="poison part: one poison request this often",
+    )
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument(
@@ -450,6 +495,245 @@ async def _soak_part(args: argparse.Namespace, report: Report, bar: Progress) ->
     _check_trace(report, trace, "soak")
 
 
+@dataclass
+class _Poisons:
+    sent: int = 0
+    quarantined: int = 0
+    other: list[str] = field(default_factory=list)
+
+
+async def _poison_part(args: argparse.Namespace, report: Report, bar: Progress) -> None:
+    """Bystanders keep requests coming while one request every ``--poison-every-s`` crashes
+    the worker process it runs in; each must end quarantined, the bystanders must succeed."""
+    duration = 6.0 if args.quick else args.poison_s
+    trace = TraceRecorder()
+    config = _config(args).replace(
+        model_options={
+            **_config(args).model_options,
+            "fault_crash_on_prompt": POISON_PROMPT,
+        },
+        fault_injection=True,
+    )
+    poisons = _Poisons()
+    started = time.perf_counter()
+
+    async def poison(seq: int) -> None:
+        try:
+            await engine.generate(POISON_PROMPT, _params(args, seq), request_id=f"poison-{seq}")
+            poisons.other.append(f"poison-{seq}: completed")
+        except RequestFailedError as exc:
+            if exc.quarantined:
+                poisons.quarantined += 1
+            else:
+                poisons.other.append(f"poison-{seq}: {exc}")
+        except OmniTrioError as exc:
+            poisons.other.append(f"poison-{seq}: {exc}")
+
+    async with open_engine(config, trace=trace) as engine:
+        load = _Load(engine, args)
+        async with trio.open_nursery() as nursery:
+            for c in range(args.clients):
+                nursery.start_soon(load.client, c)
+            async with trio.open_nursery() as senders:
+                end = trio.current_time() + duration
+                seq = 0
+                while trio.current_time() < end:
+                    seq += 1
+                    poisons.sent = seq
+                    senders.start_soon(poison, seq)
+                    bar.advance()
+                    await trio.sleep(args.poison_every_s)
+                load.stopping = True  # the poisons in flight still end on their own
+            with trio.fail_after(600.0):
+                await _wait_healthy(engine, 600.0)
+        stats = engine.statistics()
+    bystanders = load.completed + load.failed_retryable + load.quarantined + len(load.lost)
+    rate = load.completed / bystanders if bystanders else 0.0
+    report.results["poison"] = {
+        "duration_s": round(time.perf_counter() - started, 1),
+        "poison_sent": poisons.sent,
+        "poison_quarantined": poisons.quarantined,
+        "poison_other": poisons.other,
+        "bystanders": bystanders,
+        "bystanders_completed": load.completed,
+        "bystander_success_rate": round(rate, 4),
+        "restarts": stats.restarts,
+    }
+    rows = [
+        ("poison requests sent", poisons.sent, "-", "-"),
+        (
+            "poison requests quarantined",
+            poisons.quarantined,
+            "all",
+            "yes" if poisons.quarantined == poisons.sent else "NO",
+        ),
+        ("bystander requests", bystanders, "-", "-"),
+        (
+            "bystander success rate",
+            round(rate, 4),
+            f">= {TARGET_BYSTANDER_SUCCESS}",
+            "yes" if rate >= TARGET_BYSTANDER_SUCCESS else "NO",
+        ),
+        ("worker restarts", stats.restarts, "-", "-"),
+    ]
+    for figure, value, target, met in rows:
+        report.rows.append(
+            {
+                "part": "poison",
+                "figure": figure,
+                "n": 1,
+                "median": value,
+                "min": "-",
+                "max": "-",
+                "target": target,
+                "met": met,
+            }
+        )
+    for line in poisons.other[:5] + load.lost[:5]:
+        report.notes.append(f"poison: {line}")
+    _check_trace(report, trace, "poison")
+
+
+def _rss_bytes(pid: int) -> int:
+    """The resident memory of ``pid`` and its descendants (Linux ``/proc``), in bytes."""
+    from ..serve.daemon import descendant_pids
+
+    total = 0
+    for p in (pid, *descendant_pids(pid)):
+        try:
+            text = Path(f"/proc/{p}/status").read_text(encoding="ascii")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+async def _stalled_reader(port: int, body: bytes, opened: list[int]) -> None:
+    """One connection that sends a generation and never reads its answer (a 4 KiB receive
+    buffer, so the answer stays on the server's side); held until cancelled."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+    try:
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+    except OSError:
+        sock.close()
+        return
+    async with stream:
+        head = (
+            "POST /v1/images/generations HTTP/1.1\r\nHost: bench\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        try:
+            await stream.send_all(head + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        opened[0] += 1
+        await trio.sleep_forever()
+
+
+async def _slow_clients_part(args: argparse.Namespace, report: Report, bar: Progress) -> None:
+    """A real ``omni-trio serve`` process; ``--slow-clients`` connections each ask for an
+    image and never read it, for ``--slow-s``; then SIGTERM with them still connected.
+    Measured: the daemon's RSS growth against its response-memory bound, and how long the
+    SIGTERM took against the daemon's own shutdown bound."""
+    import json
+    import socket
+    import sys
+
+    import httpx
+
+    from ..serve.config import ServeConfig
+    from ..serve.daemon import shutdown_bound_s
+
+    clients = 50 if args.quick else args.slow_clients
+    hold = 3.0 if args.quick else args.slow_s
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = [
+        "serve", "--port", str(port), "--model", "builtin:echo",
+        "--drain-timeout", str(SLOW_DRAIN_S), "--send-timeout", str(SLOW_SEND_TIMEOUT_S),
+        "--max-response-bytes-in-flight", str(SLOW_RESPONSE_BYTES),
+        "--threads", str(args.torch_threads),
+    ]  # fmt: skip
+    config = ServeConfig(
+        drain_timeout_s=SLOW_DRAIN_S,
+        send_timeout_s=SLOW_SEND_TIMEOUT_S,
+        max_response_bytes_in_flight=SLOW_RESPONSE_BYTES,
+    )
+    bound = shutdown_bound_s(config)
+    code = "import sys; from omni_trio.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-c", code, *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    body = json.dumps(
+        {"prompt": "x", "size": SLOW_SIZE, "response_format": "b64_json", "num_inference_steps": 2}
+    ).encode()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            with trio.fail_after(120):
+                while True:
+                    try:
+                        if (await client.get("/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.2)
+            ok = await client.post(
+                "/v1/images/generations", content=body, headers={"content-type": "application/json"}
+            )
+            ok.raise_for_status()
+        baseline = peak = _rss_bytes(proc.pid)
+        opened = [0]
+        async with trio.open_nursery() as nursery:
+            for _ in range(clients):
+                nursery.start_soon(_stalled_reader, port, body, opened)
+            end = trio.current_time() + hold
+            while trio.current_time() < end:
+                peak = max(peak, _rss_bytes(proc.pid))
+                bar.advance()
+                await trio.sleep(0.25)
+            signalled = time.perf_counter()
+            proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(bound + 30):
+                while proc.poll() is None:
+                    peak = max(peak, _rss_bytes(proc.pid))
+                    await trio.sleep(0.05)
+            took = time.perf_counter() - signalled
+            nursery.cancel_scope.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await proc.wait()
+    growth = peak - baseline
+    limit = SLOW_RESPONSE_BYTES + SLOW_RSS_SLACK
+    report.results["slow_clients"] = {
+        "clients": clients, "connected": opened[0], "hold_s": hold,
+        "rss_baseline_mib": round(baseline / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
+        "rss_growth_mib": round(growth / 2**20, 1), "sigterm_s": round(took, 2),
+        "shutdown_bound_s": bound, "exit_code": proc.returncode,
+    }  # fmt: skip
+    rows = [
+        ("stalled readers connected", opened[0], f"{clients}", "-"),
+        ("RSS growth, MiB", round(growth / 2**20, 1),
+         f"<= {limit // 2**20} (response bound {SLOW_RESPONSE_BYTES // 2**20} + slack)",
+         "yes" if growth <= limit else "NO"),
+        ("SIGTERM to exit, s", round(took, 2), f"<= {bound:g} (drain + close + grace)",
+         "yes" if took <= bound and proc.returncode == 0 else "NO"),
+        ("exit code", proc.returncode, "0", "yes" if proc.returncode == 0 else "NO"),
+    ]  # fmt: skip
+    for figure, value, target, met in rows:
+        report.rows.append(
+            {"part": "slow-clients", "figure": figure, "n": 1, "median": value, "min": "-",
+             "max": "-", "target": target, "met": met}
+        )  # fmt: skip
+
+
 def _check_trace(report: Report, trace: TraceRecorder, part: str) -> None:
     from ..testing.invariants import check_trace
 
@@ -471,6 +755,10 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "clients": args.clients,
             "soak_s": args.soak_s,
             "kill_every_s": args.kill_every_s,
+            "poison_s": args.poison_s,
+            "poison_every_s": args.poison_every_s,
+            "slow_clients": args.slow_clients,
+            "slow_s": args.slow_s,
             "torch_threads": args.torch_threads,
             "start_method": args.start_method,
             "backends": list(args.backends),
@@ -480,15 +768,23 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
     )
     repeats = args.repeats or (1 if args.quick else 10)
     soak_kills = int((6.0 if args.quick else args.soak_s) // args.kill_every_s)
+    poison_sent = int((6.0 if args.quick else args.poison_s) // args.poison_every_s) + 1
     measured = repeats * len(args.backends) * len(args.faults)
-    total = (measured if "recovery" in args.parts else 0) + (
-        soak_kills if "soak" in args.parts else 0
+    total = (
+        (measured if "recovery" in args.parts else 0)
+        + (soak_kills if "soak" in args.parts else 0)
+        + (poison_sent if "poison" in args.parts else 0)
+        + (int((3.0 if args.quick else args.slow_s) * 4) if "slow-clients" in args.parts else 0)
     )
     with Progress(total, "recovery", enabled=not args.no_progress) as bar:
         if "recovery" in args.parts:
             await _recovery_part(args, report, bar)
         if "soak" in args.parts:
             await _soak_part(args, report, bar)
+        if "poison" in args.parts:
+            await _poison_part(args, report, bar)
+        if "slow-clients" in args.parts:
+            await _slow_clients_part(args, report, bar)
 
 
 def run(args: argparse.Namespace, command: str) -> Report:

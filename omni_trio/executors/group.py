@@ -302,7 +302,7 @@ class GroupExecutor(Executor):
                             first = self._ranks[0].started
                             assert first is not None
                             info = first.model_info
-                            self.model_info = ModelInfo(**info)
+                            self.model_info = ModelInfo.from_dict(info)
                             self._tracker.start(trio.current_time())
                             ranks.start_soon(self._monitor)
                             for rank in self._ranks:

@@ -163,6 +163,40 @@ def _is_loopback_address(address: str) -> bool:
         return False
 
 
+# An explicit cluster address must accept a connection within this long, and ray.init must
+# return within RAY_INIT_TIMEOUT_S; otherwise the start fails with one line naming it.
+RAY_CONNECT_TIMEOUT_S = 10.0
+RAY_INIT_TIMEOUT_S = 120.0
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host:port`` / ``ray://host:port``; None for ``auto`` and the like."""
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`InvalidConfigError` (``field="ray_address"``) unless ``address`` accepts
+    a TCP connection within ``timeout_s`` (``ray.init`` would retry for minutes)."""
+    import socket
+
+    target = _host_port(address)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise InvalidConfigError(
+            f"cannot reach the Ray cluster at {address!r}: {why} (start one with "
+            "`ray start --head`, or leave ray_address unset for a local Ray)",
+            field="ray_address",
+        ) from None
+
+
 # The thread that starts a local Ray and lives as long as it (see _init_in_owner_thread).
 RAY_OWNER_THREAD = "omni-trio-ray-owner"
 # How often the thread that started Ray checks whether Ray is still initialised.
@@ -170,7 +204,9 @@ _OWNER_POLL_S = 1.0
 _init_lock = threading.Lock()
 
 
-def _init_in_owner_thread(init: Any, ray: Any) -> None:
+def _init_in_owner_thread(
+    init: Any, ray: Any, *, what: str = "a local Ray", timeout_s: float = RAY_INIT_TIMEOUT_S
+) -> None:
     """Run ``init()`` (a ``ray.init`` call) in a thread that stays alive as long as Ray does.
 
     Ray ties the processes a local start spawns (GCS, raylet) to the *thread* that started
@@ -178,7 +214,8 @@ def _init_in_owner_thread(init: Any, ray: Any) -> None:
     cached worker threads (retired after ~10 s idle), the whole local Ray dies with that
     thread.  So the start happens in ``omni-trio-ray-owner``, a daemon thread that parks until
     Ray is shut down (it checks once a second) and then ends.  Blocks until ``init()``
-    returned; re-raises what it raised."""
+    returned, at most ``timeout_s`` (then :class:`InvalidConfigError` naming ``what``; the
+    thread is left to finish on its own); re-raises what it raised."""
     started = threading.Event()
     failure: list[BaseException] = []
 
@@ -194,7 +231,10 @@ def _init_in_owner_thread(init: Any, ray: Any) -> None:
             time.sleep(_OWNER_POLL_S)
 
     threading.Thread(target=own, name=RAY_OWNER_THREAD, daemon=True).start()
-    started.wait()
+    if not started.wait(timeout_s):
+        raise InvalidConfigError(
+            f"ray.init did not finish within {timeout_s:g} s ({what})", field="ray_address"
+        )
     if failure:
         raise failure[0]
 
@@ -218,13 +258,15 @@ def ensure_ray(address: str | None = None) -> Any:
         target = address or os.environ.get("RAY_ADDRESS") or None
         options: dict[str, Any] = {"logging_level": logging.WARNING}
         if target is not None:
+            check_reachable(target)
             options["address"] = target
             if _is_loopback_address(target):
                 # A cluster on this machine's loopback: this driver stays on loopback too.
                 options["_node_ip_address"] = "127.0.0.1"
         else:
             options.update(_node_ip_address="127.0.0.1", include_dashboard=False)
-        _init_in_owner_thread(lambda: ray.init(**options), ray)
+        what = f"joining {target!r}" if target is not None else "starting a local Ray"
+        _init_in_owner_thread(lambda: ray.init(**options), ray, what=what)
     return ray
 
 

@@ -47,6 +47,8 @@ from .._core.messages import WorkerAbort, WorkerCall
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidConfigError, WorkerError
 from ..ipc import SegmentRegistry, owner_tag, sweep_orphans
+from ..ipc.handshake import guard_tractor_handshake
+from ._main_guard import check_main_guard, main_rerun_failure
 from ._process import wait_exited as _wait_exited
 from .group import (
     KILL_WAIT_S,
@@ -117,12 +119,12 @@ FORKSERVER_PRELOAD = (
     "__main__",
     "numpy",
     "torch",
+    "omni_trio.models.loading",  # first: it quiets transformers' torchvision advice
     "diffusers",
     "diffusers.pipelines.pipeline_utils",
     "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
     "transformers.models.clip.modeling_clip",
     "omni_trio.ipc",
-    "omni_trio.models.loading",
     "omni_trio.models.pipeline",
     "omni_trio.worker.worker_thread",
     "omni_trio.worker.worker",
@@ -303,9 +305,14 @@ class TractorTransport(Transport):
     async def open(
         self, config: EngineConfig, fail: Callable[[BaseException], None]
     ) -> AsyncIterator[None]:
+        # Every worker runs the main module again: a script without a __name__ guard
+        # would open engines inside them.  Refused before anything is spawned.
+        check_main_guard()
         _silence_tractor_warnings()  # before the first import of tractor, which warns
         import tractor
 
+        # Only this group's processes may connect to its ports (junk is dropped).
+        guard_tractor_handshake()
         self._world_size = config.num_workers
         start_method = config.worker_start_method
         # What engines that died without cleaning up (SIGKILL, OOM) left in /dev/shm.
@@ -367,6 +374,13 @@ class TractorTransport(Transport):
             if not any(link.killed for link in self._links.values()):
                 raise
             log.debug("tractor's runtime raised on a killed worker's channel: %r", exc)
+        except BaseException as exc:
+            # A worker that failed while re-running the main module (tractor adds its error
+            # to the start failure): one line saying what to add instead of the whole tree.
+            guard = main_rerun_failure(exc)
+            if guard is None:
+                raise
+            raise guard from None
         finally:
             if TractorTransport._runtime_owner is self:
                 TractorTransport._runtime_owner = None
@@ -538,6 +552,9 @@ class TractorTransport(Transport):
 
     @staticmethod
     def _box_remote(rank: int, exc: Any) -> Exception:
+        guard = main_rerun_failure(exc)
+        if guard is not None:
+            return guard
         data = getattr(exc, "msgdata", {}) or {}
         type_str = data.get("type_str", type(exc).__name__)
         tb = data.get("tb_str", "")

@@ -216,6 +216,7 @@ class EchoModel(DiffusionModel):
             default_width=64,
             text_conditioned=False,
             supports_steps=True,
+            extra_args=frozenset({ECHO_STEP_DELAY_S, ECHO_FAIL_AT_STEP, ECHO_EXIT_AT_STEP}),
         )
         self.step_delay_s = _delay(step_delay_s, "step_delay_s")
         self._sleep = sleep

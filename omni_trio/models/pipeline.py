@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ from .base import (
     ModelOutputType,
     StepHook,
 )
+from .builtin import MARKER
 from .pipeline_checks import check_text2image_schedule, check_unconditional_params
 
 if TYPE_CHECKING:
@@ -171,12 +173,47 @@ def unet_step_hook(pipe: Any, on_step: StepHook) -> Iterator[None]:
         handle.remove()
 
 
+# What an unconditional pipeline accepts but does not use.
+_UNCONDITIONAL_IGNORES = frozenset({"prompt", "negative_prompt", "guidance_scale"})
+# A model directory may describe itself in this file (builtin:shapes does):
+# {"min_side": 24, "max_side": 64} are the sizes it renders well.
+DECLARATION_FILE = MARKER
+
+
+def declared(path: Path) -> dict[str, Any]:
+    """What ``path``'s :data:`DECLARATION_FILE` says (``{}`` without one); raises
+    :class:`InvalidConfigError` if it is not a JSON object."""
+    file = Path(path) / DECLARATION_FILE
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidConfigError(f"cannot read {str(file)!r}: {exc}", field="model") from exc
+    if not isinstance(data, dict):
+        raise InvalidConfigError(f"{str(file)!r} must hold a JSON object", field="model")
+    return data
+
+
+def _declared_side(data: Mapping[str, Any], key: str, name: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
+        raise InvalidConfigError(
+            f"model {name!r} declares {key}={value!r}: expected a multiple of 8, at least 8",
+            field="model",
+        )
+    return value
+
+
 class DiffusersModel(DiffusionModel):
     """A loaded diffusers pipeline of a supported family (see the module docstring)."""
 
-    def __init__(self, pipe: Any, *, name: str) -> None:
+    def __init__(self, pipe: Any, *, name: str, declared: Mapping[str, Any] | None = None) -> None:
         """Wrap ``pipe``; raises :class:`InvalidConfigError` naming ``name`` and the pipeline
-        class if its family is not supported."""
+        class if its family is not supported.  ``declared``: what the model directory says of
+        itself (``min_side``/``max_side``: the sizes it renders well; see :func:`declared`)."""
         family = detect_family(pipe)
         if family is None:
             raise InvalidConfigError(
@@ -202,6 +239,14 @@ class DiffusersModel(DiffusionModel):
             vae_config = vae.config if type(vae).__name__ == "AutoencoderKL" else None
             latent = min_latent_side(pipe.unet.config, vae_config)
             min_side = max(8, math.ceil(latent * int(pipe.vae_scale_factor) / 8) * 8)
+        declared = declared or {}
+        min_side = max(min_side, _declared_side(declared, "min_side", name) or 0)
+        max_side = _declared_side(declared, "max_side", name)
+        if max_side is not None and max_side < min_side:
+            raise InvalidConfigError(
+                f"model {name!r} declares max_side {max_side} below its min_side {min_side}",
+                field="model",
+            )
         self.info = ModelInfo(
             name=name,
             family=family,
@@ -213,6 +258,11 @@ class DiffusersModel(DiffusionModel):
             # An unconditional UNet renders the one size it was trained at.
             fixed_size=family == "unconditional",
             min_side=min_side,
+            max_side=max_side,
+            # A diffusers pipeline call takes no extra_args.
+            extra_args=frozenset(),
+            ignored_params=(frozenset() if text_conditioned else _UNCONDITIONAL_IGNORES),
+            calibrate=True,
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.
@@ -248,7 +298,7 @@ class DiffusersModel(DiffusionModel):
                 f"cannot load model {name!r} from {str(path)!r}: {type(exc).__name__}: {exc}",
                 field="model",
             ) from exc
-        model = cls(pipe, name=name)
+        model = cls(pipe, name=name, declared=declared(path))
         model.to(device)
         return model
 

@@ -56,6 +56,7 @@ from ..errors import (
 )
 from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
+from .calibration import calibrate
 from .request_stream import OutputStreams, RequestStream
 from .rpc_queue import RpcQueue
 from .worker_group import GroupEvents, WorkerGroup
@@ -105,6 +106,7 @@ class AsyncEngine:
         self._executor: Executor | None = None
         self._group: WorkerGroup | None = None
         self._warming = False  # warmup traffic is nobody's request: kept out of statistics
+        self._ignored_warned: set[str] = set()
 
     @property
     def trace(self) -> TraceRecorder | None:
@@ -377,9 +379,18 @@ class AsyncEngine:
         request = core.build_request(prompt_or_request, params, request_id)
         counted = not (self._warming and request.request_id == WARMUP_REQUEST_ID)
         request = core.admit(request, trio.current_time(), counted=counted)
+        if core.model_info is not None and counted:
+            self._warn_ignored(core.model_info.ignored(request.sampling))
         stream = self._streams.open(request.request_id, request.sampling.seed)
         self._wake.set()
         return stream
+
+    def _warn_ignored(self, names: tuple[str, ...]) -> None:
+        """Say once per engine and field that the model does not use a field it was given."""
+        for name in names:
+            if name not in self._ignored_warned:
+                self._ignored_warned.add(name)
+                log.warning("model %s ignores %s", self.config.model, name)
 
     async def generate(
         self,
@@ -445,6 +456,11 @@ class AsyncEngine:
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, where the backend tracks it."""
         return self.executor.progress(request_id)
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        """Where an admitted request is in its lifecycle (no checkpoint); None once its state
+        is removed (it ended) or for an unknown id."""
+        return self.core.status_of(request_id)
 
     # -- health, statistics, leftovers -----------------------------------------------------
 
@@ -608,7 +624,8 @@ def raise_for_status(output: DiffusionOutput) -> DiffusionOutput:
 
 
 async def _warmup(engine: AsyncEngine) -> None:
-    """Run one small dummy request (2 steps) through the whole path; kept out of statistics."""
+    """Run one small dummy request (2 steps) through the whole path, then measure the model
+    for the compute budget (:mod:`.calibration`); kept out of statistics."""
     info = engine.executor.model_info
     params = (
         info.warmup_sampling()
@@ -620,6 +637,8 @@ async def _warmup(engine: AsyncEngine) -> None:
         await engine.generate("warmup", params, request_id=WARMUP_REQUEST_ID)
     except Exception as exc:
         raise RuntimeError(f"engine warmup failed: {exc}") from exc
+    try:
+        await calibrate(engine)  # the compute budget's measurement
     finally:
         engine._warming = False
 

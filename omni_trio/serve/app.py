@@ -4,6 +4,7 @@ sees is ours (no framework error page can ever leak).
 Routes::
 
     POST   /v1/images/generations    generate (JSON, or server-sent events with stream=true)
+    GET    /v1/requests/{id}         where a generation is: queued, running or finished
     DELETE /v1/requests/{id}         abort a queued or running generation
     GET    /v1/files/{id}/content    an image kept for response_format=url
     GET    /v1/models                the served model
@@ -11,9 +12,16 @@ Routes::
     GET    /ready                    200 when every replica is open and healthy, else 503
     GET    /metrics                  Prometheus text exposition
 
-Auth: when ``api_key`` is set, every ``/v1/*`` route and ``/metrics`` need
-``Authorization: Bearer <key>`` (compared in constant time), else 401.  ``/health`` and
-``/ready`` stay open for probes (they reveal nothing but the replica states).
+Auth: when API keys are set (``api_key``, ``api_keys``), every ``/v1/*`` route and
+``/metrics`` need ``Authorization: Bearer <key>`` with one of them (compared in constant time),
+else 401.  ``/health`` and ``/ready`` stay open for probes (they reveal nothing but the replica
+states).
+
+Ownership: a generation belongs to the key it was made with -- or, when no key is set, to the
+bearer token the client sent (any value: a *client token*; clients that send none share one
+anonymous owner).  Only its owner can ``GET`` or ``DELETE /v1/requests/{id}`` it; anyone else
+gets the 404 of an unknown id.  Client-chosen ids are scoped per owner: two owners may use the
+same ``X-Request-Id`` at once (see :func:`~omni_trio.serve.pool.engine_request_id`).
 
 Every error is the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``;
 an unexpected failure is logged with its traceback and answered 500 with a generic message
@@ -21,9 +29,23 @@ naming the request id.  ``__call__`` never raises for anything a client sends.
 
 Every response carries ``X-Request-Id``: the client's (validated: 1..128 characters of
 ``[A-Za-z0-9._:-]``; an invalid one is a 400 on ``/v1/*``, replaced elsewhere) or a
-generated one.  For a generation it is the engine's request id,
-so ``DELETE /v1/requests/{id}`` cancels it.  Each request ends with one structured access
-record passed to ``log`` (see :class:`ImagesApp`).
+generated one (``req-`` + 128 random bits).  For a generation it is the request's public id,
+so ``DELETE /v1/requests/{id}`` by its owner cancels it.  Each request ends with one
+structured access record passed to ``log`` (see :class:`ImagesApp`).
+
+Slow clients: the request body must arrive within ``body_read_timeout_s`` (else 408, and the
+connection is closed).  Bodies go out in :data:`~omni_trio.serve.http.SEND_CHUNK` pieces,
+each under the write deadline on its own: the HTTP server's (:mod:`omni_trio.serve.http`,
+``send_timeout_s`` per piece on HTTP/1.1 and HTTP/2; it closes the connection and counts the
+drop), seen here through the scope's :class:`~omni_trio.serve.http.SendDeadline` so that a
+handler stops at once; under another ASGI server the app bounds each piece itself.  Response
+memory is bounded by ``max_response_bytes_in_flight`` (:class:`ResponseBytes`): a generation
+reserves an estimate of its answer at admission (``n * width * height *``
+:data:`RESPONSE_BYTES_PER_PIXEL` plus :data:`RESPONSE_BYTES_PER_IMAGE` per image), held until
+its answer is written or it ends, and every answer holds its bytes while they are written; a
+generation or a file download that does not fit gets 429 ``response_memory_full``.  File URLs
+are built from ``public_url``, else from the address the client connected to, never from the
+``Host`` header.
 
 Cancellation: a client that disconnects while its generation is queued or running aborts
 it (the worker stops at its next step); a request ``timeout`` aborts it too (504).  If the
@@ -32,14 +54,18 @@ server cancels a handler (shutdown), the request is aborted the same way.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import math
 import re
+import secrets
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import trio
@@ -54,6 +80,8 @@ from ..errors import (
     EngineDeadError,
     InvalidRequestError,
 )
+from .config import MIB
+from .http import HEAD_MAX_BYTES, SEND_CHUNK, SEND_DEADLINE, SendDeadline
 from .images import (
     IGNORED_FIELDS_HEADER,
     ApiError,
@@ -72,7 +100,18 @@ from .metrics import ServeMetrics
 from .pool import DrainingError, EnginePool, NotReadyError, QueueFullError, Submission
 from .pool import new_request_id as _new_request_id
 
-__all__ = ["ImagesApp", "Receive", "Scope", "Send", "is_valid_request_id"]
+__all__ = [
+    "RESPONSE_BYTES_PER_IMAGE",
+    "RESPONSE_BYTES_PER_PIXEL",
+    "ImagesApp",
+    "Receive",
+    "Reservation",
+    "ResponseBytes",
+    "Scope",
+    "Send",
+    "is_valid_request_id",
+    "logger_sink",
+]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -89,6 +128,11 @@ RETRY_AFTER_S = 2
 LINGER_S = 2.0
 LINGER_MAX_BYTES = 64 * 1024 * 1024
 DISCONNECTED_STATUS = 499  # logs and metrics only: nobody reads it
+# A generation's answer, estimated at admission: 3 bytes of RGB per pixel, as PNG (about the
+# raw size at worst: noise does not compress) in base64 (x 4/3), plus headers and JSON or SSE
+# framing per image.
+RESPONSE_BYTES_PER_PIXEL = 4
+RESPONSE_BYTES_PER_IMAGE = 4096
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Engine parameter names -> API field names, for errors the engine's validation raises.
 _ENGINE_PARAMS = {
@@ -129,6 +173,99 @@ class _Disconnected(Exception):
     """The client went away before we could answer."""
 
 
+class _SendTimedOut(Exception):
+    """The client did not take what we sent within the send timeout.  ``counted``: the HTTP
+    server already counted and logged the drop (it owns the deadline)."""
+
+    def __init__(self, message: str, *, counted: bool) -> None:
+        super().__init__(message)
+        self.counted = counted
+
+
+class ResponseBytes:
+    """Bytes of responses the server holds for their clients: reserved for generations at
+    admission (:meth:`reserve`), built and not yet written (:meth:`hold`).  What clients that
+    read slowly (or not at all) and generations in flight make the server hold is bounded by
+    ``limit``: whoever asks :meth:`fits` first.  Single-threaded (the app's trio thread).
+
+    Invariant: ``in_flight`` is the sum of what every open hold and reservation counts.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_response_bytes_in_flight must be >= 1, got {limit!r}")
+        self.limit = limit
+        self.in_flight = 0
+
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes stay within the limit.  With nothing held anything
+        fits, so an answer larger than the whole limit waits for a quiet moment instead of
+        being refused for ever."""
+        return self.in_flight == 0 or self.in_flight + size <= self.limit
+
+    @contextmanager
+    def hold(self, size: int) -> Iterator[None]:
+        """Count ``size`` bytes while the block runs."""
+        self.in_flight += size
+        try:
+            yield
+        finally:
+            self.in_flight -= size
+
+    def reserve(self, size: int) -> Reservation:
+        """Count ``size`` bytes (an estimate) until the returned reservation is released."""
+        return Reservation(self, size)
+
+
+class Reservation:
+    """The bytes counted for one generation's answer from admission to its end: the estimate
+    made at admission, or what the answer really holds (:meth:`hold`) when that is more.
+    A context manager; leaving it (or :meth:`release`) stops counting (idempotent)."""
+
+    def __init__(self, owner: ResponseBytes, size: int) -> None:
+        self._owner = owner
+        self.estimate = size
+        self._held = 0
+        self._counted = 0
+        self._released = False
+        self._recount()
+
+    @property
+    def counted(self) -> int:
+        return self._counted
+
+    def _recount(self) -> None:
+        now = 0 if self._released else max(self.estimate, self._held)
+        self._owner.in_flight += now - self._counted
+        self._counted = now
+
+    @contextmanager
+    def hold(self, size: int) -> Iterator[None]:
+        """The answer holds ``size`` bytes while the block runs."""
+        self._held += size
+        self._recount()
+        try:
+            yield
+        finally:
+            self._held -= size
+            self._recount()
+
+    def release(self) -> None:
+        self._released = True
+        self._recount()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
 @dataclass(eq=False)
 class _Exchange:
     """One HTTP request being answered: its identity, and what the log line and metrics
@@ -140,6 +277,7 @@ class _Exchange:
     request_id: str
     client: str | None
     http1: bool = True  # "Connection: close" exists only in HTTP/1
+    owner: str = ""  # who may see and cancel the generations it makes ("": anonymous)
     start: float = field(default_factory=time.perf_counter)
     route: str = "unknown"
     status: int = 0
@@ -168,17 +306,16 @@ def _unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, type="server_error", code=code, headers=_retry_after())
 
 
-def _default_base_url(scope: Scope) -> str:
-    """``scheme://host`` from the request's Host header (else the bound address)."""
+def _server_url(scope: Scope) -> str:
+    """``scheme://address:port`` of the local end of the connection (our bound address as
+    the client reached it), never the client-controlled ``Host`` header."""
     scheme = scope.get("scheme", "http")
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"host":
-            host = value.decode("latin-1")
-            if re.fullmatch(r"[A-Za-z0-9.\-\[\]:]{1,255}", host):
-                return f"{scheme}://{host}"
     server = scope.get("server")
-    if server:
-        return f"{scheme}://{server[0]}:{server[1]}"
+    if server and server[0]:
+        host = str(server[0])
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{scheme}://{host}" + (f":{server[1]}" if server[1] is not None else "")
     return f"{scheme}://localhost"
 
 
@@ -196,14 +333,20 @@ class ImagesApp:
     """The ASGI app (see the module docstring).  Serve it with hypercorn's trio worker in
     the same trio run as ``pool.serve``.
 
-    ``base_url_fn(scope)`` gives the ``scheme://host[:port]`` put in front of file URLs
-    (default: from the request's Host header).  ``log(record)`` receives one dict per
-    request: ``request_id``, ``method``, ``path``, ``route``, ``status``, ``outcome``
-    (``ok``, ``rejected``, ``error``, ``cancelled``, ``timeout``, ``disconnected``,
-    ``aborted``, ``send_failed``: the answer's status was chosen but writing it failed),
-    ``ms``, ``client`` and, for failures, ``detail`` (server-side only).
-    ``log`` may also be a :class:`logging.Logger` (default: ``omni_trio.serve.access``):
-    one line per request (INFO; WARNING for 5xx) with the record's fields as ``extra``.
+    ``public_url`` (``scheme://host[:port][/prefix]``) is put in front of file URLs
+    (default: the address the client connected to).  ``api_key`` and ``api_keys`` are the
+    accepted keys (none: no auth).  ``body_read_timeout_s``, ``send_timeout_s`` and
+    ``max_response_bytes_in_flight`` bound slow clients (module docstring).
+
+    ``log(record)`` receives one dict per request: ``request_id``, ``method``, ``path``,
+    ``route``, ``status``, ``outcome`` (``ok``, ``rejected``, ``error``, ``cancelled``,
+    ``timeout``, ``disconnected``, ``aborted``, ``send_failed``: the answer's status was
+    chosen but writing it failed, ``send_timeout``: the client stopped taking it), ``ms``,
+    ``client``, ``owner`` (a tag of the key or client token, when there is one) and, for
+    failures, ``detail`` (server-side only).  ``log`` may also be a :class:`logging.Logger`
+    (default: ``omni_trio.serve.access``): one line per request (INFO; WARNING for 5xx but
+    a not-ready ``/ready``, which is DEBUG: probes repeat it, the daemon logs the change
+    once) with the record's fields as ``extra``.
     """
 
     def __init__(
@@ -215,19 +358,32 @@ class ImagesApp:
         api_key: str | None,
         store: ImageStore,
         metrics: ServeMetrics,
-        base_url_fn: Callable[[Scope], str] | None = None,
+        api_keys: Sequence[str] = (),
+        public_url: str | None = None,
+        body_read_timeout_s: float = 30.0,
+        send_timeout_s: float = 30.0,
+        max_response_bytes_in_flight: int = 256 * MIB,
         log: AccessLog | logging.Logger | None = None,
         progress_interval_s: float = 0.25,
     ) -> None:
         self.pool = pool
         self.model_name = model_name
         self.limits = limits
-        self._api_key = api_key.encode() if api_key else None
+        keys = ([api_key] if api_key else []) + list(api_keys)
+        self._api_keys = tuple(dict.fromkeys(key.encode() for key in keys))
+        # Owner tags are HMACs under a per-process salt: stable while the process lives (as
+        # long as its request ids), and a log line never carries anything derived from a key
+        # alone.
+        self._owner_salt = secrets.token_bytes(32)
         self.store = store
         self.metrics = metrics
-        self._base_url = base_url_fn or _default_base_url
+        self._public_url = public_url.rstrip("/") if public_url else None
+        self.body_read_timeout_s = body_read_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.responses = ResponseBytes(max_response_bytes_in_flight)
+        metrics.response_bytes_in_flight.set_function(lambda: self.responses.in_flight)
         self._log: AccessLog = (
-            log if callable(log) and not isinstance(log, logging.Logger) else _logger_sink(log)
+            log if callable(log) and not isinstance(log, logging.Logger) else logger_sink(log)
         )
         self._progress_interval_s = progress_interval_s
         self._created = int(time.time())
@@ -253,9 +409,59 @@ class ImagesApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    def _base_url(self, scope: Scope) -> str:
+        return self._public_url or _server_url(scope)
+
+    def _deadlined(self, scope: Scope, send: Send) -> Send:
+        """``send`` under one write deadline, whose expiry raises :class:`_SendTimedOut`.
+
+        Under the daemon's HTTP server the deadline is the server's (the scope's
+        :class:`~omni_trio.serve.http.SendDeadline`): it bounds every socket write and, on
+        HTTP/2, flow control, closes the connection and counts the drop; here a handler
+        only learns of it, before and after each send, so it stops at once.  Under another
+        ASGI server the app bounds each message itself (``send_timeout_s`` per
+        :data:`SEND_CHUNK` of it) and counts the drop.  Either way a drop is counted once.
+        """
+        extensions = scope.get("extensions") or {}
+        deadline = extensions.get(SEND_DEADLINE)
+        if isinstance(deadline, SendDeadline):
+            return self._watching(deadline, send)
+        timeout = self.send_timeout_s
+
+        async def bounded_send(message: MutableMapping[str, Any]) -> None:
+            size = len(message.get("body", b""))
+            with trio.move_on_after(timeout * (1 + size // SEND_CHUNK)) as cancel:
+                await send(message)
+            if cancel.cancelled_caught:
+                raise _SendTimedOut(f"the client took no data for {timeout:g} s", counted=False)
+
+        return bounded_send
+
+    @staticmethod
+    def _watching(deadline: SendDeadline, send: Send) -> Send:
+        async def expired() -> None:
+            # A checkpoint first: a handler task cancelled meanwhile (its sibling saw the
+            # same expiry and raised) ends with Cancelled rather than a second error.
+            await trio.lowlevel.checkpoint()
+            raise _SendTimedOut(
+                f"the client took no data for {deadline.timeout_s:g} s", counted=True
+            )
+
+        async def watched_send(message: MutableMapping[str, Any]) -> None:
+            if deadline.expired:
+                await expired()
+            await send(message)
+            if deadline.expired:
+                await expired()
+
+        return watched_send
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send = self._deadlined(scope, send)
         headers: dict[str, list[str]] = {}
+        head_bytes = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
         for raw_name, raw_value in scope.get("headers", ()):
+            head_bytes += len(raw_name) + len(raw_value) + 4
             name = raw_name.decode("latin-1").lower()
             headers.setdefault(name, []).append(raw_value.decode("latin-1"))
         client = scope.get("client")
@@ -272,6 +478,12 @@ class ImagesApp:
         ex.body_complete = "transfer-encoding" not in headers and lengths in ([], ["0"])
         try:
             try:
+                if head_bytes > HEAD_MAX_BYTES:
+                    raise ApiError(
+                        431,
+                        f"the request line and headers exceed {HEAD_MAX_BYTES} bytes",
+                        code="request_header_fields_too_large",
+                    )
                 await self._dispatch(ex, scope, receive, send)
             except ApiError as err:
                 await self._send_error(ex, send, err)
@@ -279,6 +491,14 @@ class ImagesApp:
                 ex.status, ex.outcome = DISCONNECTED_STATUS, "disconnected"
             if not ex.body_complete and ex.status != DISCONNECTED_STATUS:
                 await self._discard_body(ex, receive)
+        except _SendTimedOut as exc:
+            ex.detail = str(exc)
+            ex.outcome = "send_timeout"
+            if not ex.started:
+                ex.status = DISCONNECTED_STATUS
+            if not exc.counted:  # the HTTP server counted and logged its own drops
+                self.metrics.observe_slow_client("send_timeout")
+                _log.info("request %s: %s; dropped", ex.request_id, exc)
         except Exception as exc:
             ex.detail = f"{type(exc).__name__}: {exc}"
             if ex.started and isinstance(exc, _TRANSPORT_ERRORS):
@@ -307,6 +527,8 @@ class ImagesApp:
             "ms": round((time.perf_counter() - ex.start) * 1000.0, 3),
             "client": ex.client,
         }
+        if ex.owner:
+            record["owner"] = ex.owner
         if ex.detail is not None:
             record["detail"] = ex.detail
         try:
@@ -335,6 +557,7 @@ class ImagesApp:
             )
         if path.startswith("/v1/") or path == "/metrics":
             self._authenticate(ex)
+            ex.owner = self._owner(ex)
         if bad_id:
             raise ApiError(
                 400,
@@ -349,8 +572,11 @@ class ImagesApp:
             await self._generate(ex, receive, send, self._base_url(scope))
         elif path.startswith("/v1/requests/") and path.count("/") == 3:
             ex.route = "/v1/requests/{id}"
-            self._allow(ex, "DELETE")
-            await self._cancel(ex, send, path.rsplit("/", 1)[1])
+            self._allow(ex, "GET", "DELETE")
+            if ex.method == "GET":
+                await self._request_status(ex, send, path.rsplit("/", 1)[1])
+            else:
+                await self._cancel(ex, send, path.rsplit("/", 1)[1])
         elif path.startswith("/v1/files/") and path.endswith("/content") and path.count("/") == 4:
             ex.route = "/v1/files/{id}/content"
             self._allow(ex, "GET")
@@ -374,13 +600,14 @@ class ImagesApp:
         else:
             raise ApiError(404, f"Invalid URL ({method} {path})", code="unknown_url")
 
-    def _allow(self, ex: _Exchange, method: str) -> None:
-        if ex.method != method:
+    def _allow(self, ex: _Exchange, *methods: str) -> None:
+        if ex.method not in methods:
+            allowed = ", ".join(methods)
             raise ApiError(
                 405,
-                f"Method {ex.method} is not allowed for {ex.route}; use {method}",
+                f"Method {ex.method} is not allowed for {ex.route}; use {' or '.join(methods)}",
                 code="method_not_allowed",
-                headers=[("Allow", method)],
+                headers=[("Allow", allowed)],
             )
 
     def _given_key(self, ex: _Exchange) -> bytes:
@@ -391,18 +618,29 @@ class ImagesApp:
                 return token.strip().encode("latin-1")
         return b""
 
+    def _key_matches(self, given: bytes) -> bool:
+        # Every key is compared (constant time each), so the time says nothing of which.
+        matches = [hmac.compare_digest(given, key) for key in self._api_keys]
+        return bool(given) and any(matches)
+
     def _authenticated(self, ex: _Exchange) -> bool:
-        """No key is configured, or the request carries it."""
-        if self._api_key is None:
-            return True
+        """No key is configured, or the request carries one."""
+        return not self._api_keys or self._key_matches(self._given_key(ex))
+
+    def _owner(self, ex: _Exchange) -> str:
+        """The owner tag of what this request makes or may touch: an HMAC of the bearer
+        token it sent (the API key it authenticated with; without keys, its client token),
+        or ``""`` (anonymous) without one."""
         given = self._given_key(ex)
-        return bool(given) and hmac.compare_digest(given, self._api_key)
+        if not given:
+            return ""
+        return hmac.new(self._owner_salt, given, hashlib.sha256).hexdigest()[:16]
 
     def _authenticate(self, ex: _Exchange) -> None:
-        if self._api_key is None:
+        if not self._api_keys:
             return
         given = self._given_key(ex)
-        if not given or not hmac.compare_digest(given, self._api_key):
+        if not self._key_matches(given):
             message = (
                 "Incorrect API key provided"
                 if given
@@ -440,12 +678,30 @@ class ImagesApp:
             body["replicas"] = self.pool.replicas_info()
         await self._send_json(ex, send, 200, body)
 
+    def _not_found(self, request_id: str) -> ApiError:
+        # The same answer for an id that never existed and for another owner's: ids do not
+        # leak across keys.
+        return ApiError(
+            404, f"No request with id {request_id!r}", param="id", code="request_not_found"
+        )
+
+    async def _request_status(self, ex: _Exchange, send: Send, request_id: str) -> None:
+        status = self.pool.status(request_id, owner=ex.owner)
+        if status is None:
+            raise self._not_found(request_id)
+        progress = self.pool.progress(request_id, owner=ex.owner) if status == "running" else None
+        body = {
+            "id": request_id,
+            "object": "request",
+            "status": status,
+            "progress": {"step": progress[0], "total": progress[1]} if progress else None,
+        }
+        await self._send_json(ex, send, 200, body)
+
     async def _cancel(self, ex: _Exchange, send: Send, request_id: str) -> None:
-        outcome = self.pool.abort(request_id)
+        outcome = self.pool.abort(request_id, owner=ex.owner)
         if outcome == "unknown":
-            raise ApiError(
-                404, f"No request with id {request_id!r}", param="id", code="request_not_found"
-            )
+            raise self._not_found(request_id)
         if outcome == "finished":
             raise ApiError(
                 409,
@@ -464,13 +720,51 @@ class ImagesApp:
                 404, f"No file with id {file_id!r} (unknown or expired)", code="file_not_found"
             )
         data, content_type = found
+        if not self.responses.fits(len(data)):
+            raise self._memory_full()
         await self._send_bytes(ex, send, 200, data, content_type, cache="private, max-age=60")
+
+    def _memory_full(self) -> ApiError:
+        return ApiError(
+            429,
+            f"the server holds {self.responses.in_flight} bytes of responses not yet taken by "
+            f"their clients (max_response_bytes_in_flight={self.responses.limit}); retry later",
+            type="rate_limit_error",
+            code="response_memory_full",
+            headers=_retry_after(),
+        )
+
+    def _response_estimate(self, parsed: ParsedRequest) -> int:
+        """The bytes a generation's answer will hold, estimated at admission (module
+        docstring).  A size left unset is the served model's default size, or while no
+        replica is open the largest size allowed."""
+        width, height = parsed.params.width, parsed.params.height
+        if width is None or height is None:
+            default = self.pool.default_size()
+            if default is not None:
+                width = default[0] if width is None else width
+                height = default[1] if height is None else height
+        pixels = width * height if width is not None and height is not None else None
+        if pixels is None:
+            pixels = self.limits.max_pixels
+        return parsed.n * (pixels * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE)
 
     # -- generation ------------------------------------------------------------------------
 
     async def _read_body(self, ex: _Exchange, receive: Receive) -> bytes:
         """The request body, refused (413) past ``max_body_bytes`` -- by Content-Length
-        before reading anything, else as soon as the count passes the cap."""
+        before reading anything, else as soon as the count passes the cap -- and (408) when
+        all of it has not arrived within ``body_read_timeout_s``."""
+        with trio.move_on_after(self.body_read_timeout_s):
+            return await self._read_body_now(ex, receive)
+        self.metrics.observe_slow_client("body_timeout")
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {self.body_read_timeout_s:g} s",
+            code="request_timeout",
+        )
+
+    async def _read_body_now(self, ex: _Exchange, receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes
         declared = ex.header("content-length")
         if declared is not None:
@@ -532,7 +826,9 @@ class ImagesApp:
 
     def _submit(self, ex: _Exchange, parsed: ParsedRequest) -> Submission:
         try:
-            return self.pool.submit(parsed.prompt, parsed.params, request_id=ex.request_id)
+            return self.pool.submit(
+                parsed.prompt, parsed.params, request_id=ex.request_id, owner=ex.owner
+            )
         except DuplicateRequestError:
             raise ApiError(
                 409,
@@ -542,7 +838,9 @@ class ImagesApp:
             )
         except InvalidRequestError as exc:
             param = _ENGINE_PARAMS.get(exc.param or "", exc.param)
-            raise ApiError(400, str(exc), param=param, code="invalid_value")
+            # RequestTooCostlyError says "request_too_costly"; the others are plain values.
+            code = getattr(exc, "code", None) or "invalid_value"
+            raise ApiError(400, str(exc), param=param, code=code)
         except QueueFullError as exc:
             raise ApiError(
                 429, str(exc), type="rate_limit_error", code="queue_full", headers=_retry_after()
@@ -566,14 +864,21 @@ class ImagesApp:
                 code="unsupported_media_type",
             )
         parsed = self._parse(ex, await self._read_body(ex, receive))
-        submission = self._submit(ex, parsed)
-        # Whatever happens from here on, leaving this block ends the request and frees its
-        # slot in the pool (re-entering the stream below is harmless).
-        async with submission.stream:
-            if parsed.stream:
-                await self._generate_events(ex, submission, parsed, receive, send)
-            else:
-                await self._generate_json(ex, submission, parsed, receive, send, base_url)
+        estimate = self._response_estimate(parsed)
+        if not self.responses.fits(estimate):
+            raise self._memory_full()
+        # The answer's bytes count from admission until it is written or the request ends.
+        with self.responses.reserve(estimate) as reservation:
+            submission = self._submit(ex, parsed)
+            # Whatever happens from here on, leaving this block ends the request and frees its
+            # slot in the pool (re-entering the stream below is harmless).
+            async with submission.stream:
+                if parsed.stream:
+                    await self._generate_events(ex, submission, parsed, receive, send, reservation)
+                else:
+                    await self._generate_json(
+                        ex, submission, parsed, receive, send, base_url, reservation
+                    )
 
     async def _follow(
         self,
@@ -643,7 +948,7 @@ class ImagesApp:
         self, ex: _Exchange, output: DiffusionOutput, submission: Submission
     ) -> ApiError:
         """The answer for a terminal output that is not a success."""
-        rid = output.request_id
+        rid = submission.request_id
         ex.detail = f"{output.status.name}: {output.error_type}: {output.error}"
         if output.status is RequestStatus.FINISHED_ABORTED:
             reason = submission.stream.abort_reason
@@ -707,6 +1012,7 @@ class ImagesApp:
         receive: Receive,
         send: Send,
         base_url: str,
+        reservation: Reservation,
     ) -> None:
         final = await self._follow(ex, submission, parsed, receive)
         if final is None:
@@ -716,26 +1022,32 @@ class ImagesApp:
         if final.status is not RequestStatus.FINISHED_COMPLETED:
             raise self._terminal_error(ex, final, submission)
         encoded = await self._encode_all(final.images, parsed)
-        data: list[dict[str, Any]] = []
-        for blob in encoded:
-            if parsed.response_format == "url":
-                file_id = self.store.put(blob, parsed.content_type)
-                data.append({"url": ImageStore.url_for(base_url, file_id), "revised_prompt": None})
-            else:
-                data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
-        total_ms = (time.perf_counter() - ex.start) * 1000.0
-        body = images_response(
-            request_id=final.request_id,
-            model=self.model_name,
-            seed=final.seed,
-            data=data,
-            output_format=parsed.output_format,
-            size=image_size(final.images[0]) if final.images else "auto",
-            metrics=final.metrics,
-            total_ms=total_ms,
-        )
-        self.metrics.observe_generation(final.metrics, total_ms, len(encoded))
-        await self._send_json(ex, send, 200, body)
+        with reservation.hold(sum(len(blob) for blob in encoded)):
+            data: list[dict[str, Any]] = []
+            for blob in encoded:
+                if parsed.response_format == "url":
+                    file_id = self.store.put(blob, parsed.content_type)
+                    url = ImageStore.url_for(base_url, file_id)
+                    data.append({"url": url, "revised_prompt": None})
+                else:
+                    data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
+            del encoded
+            total_ms = (time.perf_counter() - ex.start) * 1000.0
+            body = images_response(
+                request_id=submission.request_id,
+                model=self.model_name,
+                seed=final.seed,
+                data=data,
+                output_format=parsed.output_format,
+                size=image_size(final.images[0]) if final.images else "auto",
+                metrics=final.metrics,
+                total_ms=total_ms,
+            )
+            del data
+            self.metrics.observe_generation(final.metrics, total_ms, len(body["data"]))
+            payload = _json_bytes(body)
+            del body  # while the answer is written, only its bytes are held
+        await self._send_bytes(ex, send, 200, payload, "application/json", reservation=reservation)
 
     async def _generate_events(
         self,
@@ -744,6 +1056,7 @@ class ImagesApp:
         parsed: ParsedRequest,
         receive: Receive,
         send: Send,
+        reservation: Reservation,
     ) -> None:
         """Answer with server-sent events: ``image_generation.progress`` (step/total, when
         known), up to ``partial_images`` ``image_generation.partial_image`` (from step-mode
@@ -760,14 +1073,15 @@ class ImagesApp:
 
         async def emit(event: str, data: dict[str, Any]) -> None:
             payload = f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-            async with lock:
-                await send(
-                    {"type": "http.response.body", "body": payload.encode(), "more_body": True}
-                )
+            body = payload.encode()
+            del payload
+            with reservation.hold(len(body)):
+                async with lock:  # one event at a time, whole
+                    await _send_body(send, body, more_body=True)
 
         async def progress(fallback: tuple[int, int] | None = None) -> None:
             nonlocal last_progress
-            current = self.pool.progress(rid) or fallback
+            current = self.pool.progress(rid, owner=ex.owner) or fallback
             if current is not None and current != last_progress:
                 last_progress = current
                 step, total = current
@@ -780,20 +1094,21 @@ class ImagesApp:
             """One SSE event per image: ``kind`` with the image and the shared fields."""
             encoded = await self._encode_all(images, parsed)
             created = int(time.time())
-            for image_index, (image, blob) in enumerate(zip(images, encoded, strict=True)):
-                event = {
-                    "type": kind,
-                    "b64_json": encode_b64(blob),
-                    "image_index": image_index,
-                    "created_at": created,
-                    "size": image_size(image),
-                    "output_format": parsed.output_format,
-                    "quality": "auto",
-                    "background": "auto",
-                    "id": rid,
-                }
-                event.update(extra)
-                await emit(kind, event)
+            with reservation.hold(sum(len(blob) for blob in encoded)):
+                for image_index, (image, blob) in enumerate(zip(images, encoded, strict=True)):
+                    event = {
+                        "type": kind,
+                        "b64_json": encode_b64(blob),
+                        "image_index": image_index,
+                        "created_at": created,
+                        "size": image_size(image),
+                        "output_format": parsed.output_format,
+                        "quality": "auto",
+                        "background": "auto",
+                        "id": rid,
+                    }
+                    event.update(extra)
+                    await emit(kind, event)
 
         async def on_chunk(output: DiffusionOutput) -> None:
             nonlocal targets, partial_index
@@ -868,11 +1183,17 @@ class ImagesApp:
         *,
         cache: str = "no-store",
         extra: Sequence[tuple[str, str]] = (),
+        reservation: Reservation | None = None,
     ) -> None:
-        await self._start(
-            ex, send, status, content_type, length=len(payload), cache=cache, extra=extra
-        )
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        """The whole answer (headers, then the body in :data:`SEND_CHUNK` pieces); its bytes
+        count against the response limit while they are written (through ``reservation``,
+        a generation's, when given)."""
+        hold = reservation.hold if reservation is not None else self.responses.hold
+        with hold(len(payload)):
+            await self._start(
+                ex, send, status, content_type, length=len(payload), cache=cache, extra=extra
+            )
+            await _send_body(send, payload, more_body=False)
 
     async def _send_json(
         self,
@@ -882,8 +1203,7 @@ class ImagesApp:
         body: Any,
         extra: Sequence[tuple[str, str]] = (),
     ) -> None:
-        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-        await self._send_bytes(ex, send, status, payload, "application/json", extra=extra)
+        await self._send_bytes(ex, send, status, _json_bytes(body), "application/json", extra=extra)
 
     async def _send_error(self, ex: _Exchange, send: Send, err: ApiError) -> None:
         if ex.started:  # pragma: no cover - errors after the headers are events
@@ -911,14 +1231,47 @@ class ImagesApp:
         ex.outcome = "error"
 
 
-def _logger_sink(logger: logging.Logger | None) -> AccessLog:
+def _json_bytes(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+async def _send_body(send: Send, payload: bytes, *, more_body: bool) -> None:
+    """``payload`` as ``http.response.body`` messages of at most :data:`SEND_CHUNK` bytes, each
+    under the write deadline on its own (and h11 never joins a whole large body into one more
+    copy); the last one says ``more_body``."""
+    size = len(payload)
+    if size <= SEND_CHUNK:
+        await send({"type": "http.response.body", "body": payload, "more_body": more_body})
+        return
+    view = memoryview(payload)
+    for start in range(0, size, SEND_CHUNK):
+        end = start + SEND_CHUNK
+        await send(
+            {
+                "type": "http.response.body",
+                "body": bytes(view[start:end]),
+                "more_body": more_body or end < size,
+            }
+        )
+
+
+def logger_sink(logger: logging.Logger | None = None) -> AccessLog:
+    """The access-record sink writing to ``logger`` (default ``omni_trio.serve.access``):
+    one line per record, at the level the class docstring of :class:`ImagesApp` gives."""
     target = logger or _access_log
 
     def sink(record: dict[str, Any]) -> None:
-        level = logging.WARNING if record["status"] >= 500 else logging.INFO
+        if record["route"] == "/ready" and record["status"] == 503:
+            level = logging.DEBUG  # every probe while not ready; the daemon logs the change
+        elif record["status"] >= 500:
+            level = logging.WARNING
+        else:
+            level = logging.INFO
+        # The latency appears once: as it is in the record (the text formatter then does
+        # not repeat it as a field).
         target.log(
             level,
-            "%s %s %s -> %s %s %.1fms",
+            "%s %s %s -> %s %s %sms",
             record["request_id"],
             record["method"],
             record["path"],

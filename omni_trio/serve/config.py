@@ -19,9 +19,10 @@ sub-table)::
     num_workers = 1
 
 An unknown key (at either level) raises :class:`~omni_trio.errors.InvalidConfigError` naming
-it.  The environment holds only the API key (``OMNI_TRIO_API_KEY``; empty means unset), so
-that it can stay out of the file and out of ``ps``.  Every flag has a TOML key: the table
-:data:`FLAGS` maps each to its key path and is what both the parser and the merge use.
+it.  The environment holds only the API keys (``OMNI_TRIO_API_KEY``: one key;
+``OMNI_TRIO_API_KEYS``: more, comma-separated; empty means unset), so that they can stay out
+of the file and out of ``ps``.  Every flag has a TOML key: the table :data:`FLAGS` maps each to
+its key path and is what both the parser and the merge use (``api_keys`` has no flag).
 
 Binding a host that is not loopback without an API key is allowed (a private network, a
 proxy doing the authentication) but the daemon logs a loud warning at start
@@ -36,6 +37,7 @@ import ipaddress
 import math
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ from ..config import EngineConfig
 from ..errors import InvalidConfigError
 
 __all__ = [
+    "API_KEYS_ENV",
     "API_KEY_ENV",
     "FLAGS",
     "LOG_FORMATS",
@@ -52,12 +55,17 @@ __all__ = [
     "Flag",
     "ServeConfig",
     "add_serve_arguments",
+    "engine_config_from_toml",
 ]
 
 API_KEY_ENV = "OMNI_TRIO_API_KEY"
+API_KEYS_ENV = "OMNI_TRIO_API_KEYS"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIB = 1024 * 1024
+# The smallest per-connection read-ahead buffer (also HttpLimits' minimum): reads of 16 KiB,
+# two of them queued for the app, one being handed over and h11's own (see serve.http).
+MIN_CONNECTION_BUFFER_BYTES = 64 * 1024
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
@@ -85,6 +93,38 @@ def _check_float(name: str, value: Any, *, positive: bool = False) -> None:
         )
 
 
+def _check_key(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise InvalidConfigError(f"{name} must be non-empty strings without whitespace", field=name)
+
+
+def _public_url(value: Any) -> str:
+    """``scheme://host[:port][/prefix]`` (http or https, no query, fragment or user info),
+    without a trailing slash."""
+    message = (
+        "public_url must be an http(s) URL such as 'https://images.example.com' or "
+        f"'http://10.0.0.5:8000/omni' (no query or fragment), got {value!r}"
+    )
+    if not isinstance(value, str):
+        raise InvalidConfigError(message, field="public_url")
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise InvalidConfigError(message, field="public_url") from None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.query
+        or parts.fragment
+        or not value.isprintable()
+        or any(c.isspace() for c in value)
+    ):
+        raise InvalidConfigError(message, field="public_url")
+    return value.rstrip("/")
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); False for anything
     else, including the wildcards ``0.0.0.0`` and ``::`` and other host names."""
@@ -109,6 +149,12 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the listening line on stdout says which)
     api_key: str | None = field(default=None, repr=False)
+    # More keys.  Each key owns the requests made with it: another key cannot see, cancel
+    # or collide with them (docs/operations.md, "Security and limits").
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # scheme://host[:port][/prefix] in front of file URLs (response_format=url); default:
+    # the address the client connected to (never the Host header).
+    public_url: str | None = None
     model_name: str | None = None  # the name /v1/models lists; default engine.model
     replicas: int = 1
     # SIGTERM/SIGINT: stop admitting, wait this long for in-flight requests, abort the rest.
@@ -122,6 +168,19 @@ class ServeConfig:
     # response_format=url: images kept this long, in at most this many bytes (oldest evicted).
     url_ttl_s: float = 600.0
     url_store_max_bytes: int = 256 * MIB
+    # Slow and stalled clients (omni_trio.serve.http):
+    max_connections: int = 1000  # open connections; beyond it new ones get 503 and are closed
+    # An idle keep-alive connection, or one whose request head is not complete, is closed
+    # after this.
+    keep_alive_timeout_s: float = 5.0
+    body_read_timeout_s: float = 30.0  # the whole request body must arrive within it (408)
+    send_timeout_s: float = 30.0  # each 64 KiB of a response must be taken within it
+    # Request bytes read ahead of the app for one connection.
+    max_connection_buffer_bytes: int = MIB
+    # Response bytes held for clients: each generation's estimated answer from admission to
+    # its end, every answer while it is written; beyond it new generations and file
+    # downloads get 429.
+    max_response_bytes_in_flight: int = 256 * MIB
     log_format: str = "text"
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -132,6 +191,14 @@ class ServeConfig:
         _check_int("port", self.port, minimum=0, maximum=65535)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise InvalidConfigError("api_key must be a non-empty string or unset", field="api_key")
+        keys = self.api_keys
+        if isinstance(keys, str) or not isinstance(keys, list | tuple):
+            raise InvalidConfigError("api_keys must be a list of strings", field="api_keys")
+        for key in keys:
+            _check_key("api_keys", key)
+        object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
+        if self.public_url is not None:
+            object.__setattr__(self, "public_url", _public_url(self.public_url))
         if self.model_name is not None and (
             not isinstance(self.model_name, str) or not self.model_name
         ):
@@ -148,6 +215,16 @@ class ServeConfig:
         _check_int("max_steps", self.max_steps, minimum=1)
         _check_float("url_ttl_s", self.url_ttl_s, positive=True)
         _check_int("url_store_max_bytes", self.url_store_max_bytes, minimum=1)
+        _check_int("max_connections", self.max_connections, minimum=1)
+        _check_float("keep_alive_timeout_s", self.keep_alive_timeout_s, positive=True)
+        _check_float("body_read_timeout_s", self.body_read_timeout_s, positive=True)
+        _check_float("send_timeout_s", self.send_timeout_s, positive=True)
+        _check_int(
+            "max_connection_buffer_bytes",
+            self.max_connection_buffer_bytes,
+            minimum=MIN_CONNECTION_BUFFER_BYTES,
+        )
+        _check_int("max_response_bytes_in_flight", self.max_response_bytes_in_flight, minimum=1)
         if self.log_format not in LOG_FORMATS:
             raise InvalidConfigError(
                 f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}",
@@ -168,7 +245,13 @@ class ServeConfig:
                 f"engine must be an EngineConfig or a table, got {engine!r}", field="engine"
             )
         object.__setattr__(self, "engine", engine)
-        for name in ("drain_timeout_s", "url_ttl_s"):
+        for name in (
+            "drain_timeout_s",
+            "url_ttl_s",
+            "keep_alive_timeout_s",
+            "body_read_timeout_s",
+            "send_timeout_s",
+        ):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     # -- derived -------------------------------------------------------------------------------
@@ -186,10 +269,16 @@ class ServeConfig:
         return f"{host}:{self.port}"
 
     @property
+    def all_api_keys(self) -> tuple[str, ...]:
+        """``api_key`` and ``api_keys`` together (each once): what a client may present."""
+        first = (self.api_key,) if self.api_key is not None else ()
+        return tuple(dict.fromkeys((*first, *self.api_keys)))
+
+    @property
     def exposed_without_key(self) -> bool:
         """Listening beyond loopback with no API key: anyone who can reach the port can
         generate.  Allowed, but the daemon logs a warning."""
-        return self.api_key is None and not is_loopback(self.host)
+        return not self.all_api_keys and not is_loopback(self.host)
 
     def replace(self, **changes: Any) -> ServeConfig:
         known = {f.name for f in dataclasses.fields(self)}
@@ -226,7 +315,7 @@ class ServeConfig:
         environ: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> ServeConfig:
-        """Load ``path``, then apply the environment (``OMNI_TRIO_API_KEY``), then
+        """Load ``path``, then apply the environment (the API keys), then
         ``overrides`` (ServeConfig fields; ``engine`` may be a mapping merged key by key into
         the file's ``[engine]`` table).  A missing or malformed file, an unknown key or a bad
         value raises :class:`InvalidConfigError`."""
@@ -266,6 +355,25 @@ def _engine_from_dict(data: Mapping[str, Any]) -> EngineConfig:
         raise InvalidConfigError(f"[engine] {exc}", field=field_name) from None
     except TypeError as exc:  # a non-string key
         raise InvalidConfigError(f"[engine] {exc}", field="engine") from None
+
+
+def engine_config_from_toml(
+    path: str | os.PathLike[str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> EngineConfig:
+    """The engine of a ``serve --config`` file: ``defaults`` < its ``[engine]`` table <
+    ``overrides`` (EngineConfig fields).  The whole file is checked as a :class:`ServeConfig`
+    (its daemon keys too), so a bad or unknown key at either level raises
+    :class:`InvalidConfigError` naming it and the file.  ``omni-trio generate --config`` and
+    ``demo --config`` read the same files through this."""
+    data = _load_toml(Path(path))
+    engine = data.get("engine", {})
+    if isinstance(engine, Mapping):
+        data["engine"] = {**(defaults or {}), **engine, **(overrides or {})}
+    source = f"{path} and the command line" if overrides else str(path)
+    return _build(data, source=source).engine
 
 
 def _build(data: Mapping[str, Any], *, source: str) -> ServeConfig:
@@ -313,8 +421,14 @@ def _load_toml(path: Path) -> dict[str, Any]:
 
 
 def _env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
     key = environ.get(API_KEY_ENV)
-    return {"api_key": key} if key else {}
+    if key:
+        settings["api_key"] = key
+    keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    if keys:
+        settings["api_keys"] = keys
+    return settings
 
 
 # -- command-line flags ----------------------------------------------------------------------
@@ -419,7 +533,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--api-key",
         ("api_key",),
-        f"require this bearer key (or env {API_KEY_ENV})",
+        f"require this bearer key (or env {API_KEY_ENV}; more keys: env {API_KEYS_ENV})",
         metavar="KEY",
     ),
     Flag(
@@ -452,6 +566,55 @@ FLAGS: tuple[Flag, ...] = (
         "--url-store-max-bytes",
         ("url_store_max_bytes",),
         "memory for response_format=url images",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--public-url",
+        ("public_url",),
+        "scheme://host[:port][/prefix] for file URLs (default: the address connected to)",
+        metavar="URL",
+    ),
+    Flag(
+        "--max-connections",
+        ("max_connections",),
+        "open connections; beyond it new ones get 503 and are closed",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--keep-alive-timeout",
+        ("keep_alive_timeout_s",),
+        "seconds an idle connection (or an incomplete request head) is kept",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--body-read-timeout",
+        ("body_read_timeout_s",),
+        "seconds the whole request body may take to arrive (then 408)",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--send-timeout",
+        ("send_timeout_s",),
+        "seconds a client may take to accept each 64 KiB of a response (then dropped)",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--max-connection-buffer-bytes",
+        ("max_connection_buffer_bytes",),
+        "request bytes read ahead of the app per connection",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--max-response-bytes-in-flight",
+        ("max_response_bytes_in_flight",),
+        "response bytes held for clients (generations' estimated answers from admission, "
+        "answers being sent) before new generations and downloads get 429",
         type=int,
         metavar="N",
     ),

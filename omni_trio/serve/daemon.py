@@ -5,20 +5,35 @@
     signal receiver (SIGTERM, SIGINT)   installed first, so the tractor executor leaves
                                         SIGTERM to us (it handles it only when nobody does)
     watchdog                            WATCHDOG=1 every WATCHDOG_USEC/2 from the event loop
-    hypercorn (trio worker)             binds, prints the listening line; /health answers,
-                                        /ready says 503 "starting" while the pool warms up
+    HTTP server (serve.http)            hypercorn's protocols under our listener: binds,
+                                        prints the listening line; /health answers, /ready
+                                        says 503 "starting" while the pool warms up
     EnginePool.serve                    opens every replica (warmup included), then READY=1
-    status reporter                     STATUS= and a log line whenever readiness changes
+    status reporter                     a log line (INFO) whenever readiness changes, from
+                                        the start; STATUS= once serving
 
 Shutdown (SIGTERM or SIGINT): ``STOPPING=1``, the pool stops admitting (new requests get 503
 with ``Retry-After``), in-flight requests get ``drain_timeout_s`` to finish (a second signal
 cuts that short), the rest are aborted with a terminal error ("server shutting down") and get
-a few seconds to write it, then hypercorn stops (its ``graceful_timeout`` bounds the last
-responses), the pool closes its engines, and the process exits 0.
+:data:`ABORT_GRACE_S` to write it, then the HTTP server stops (open connections get
+:data:`GRACEFUL_TIMEOUT_S`, then are closed), the pool closes its engines (each bounded by
+``engine.close_timeout_s``), and the process exits 0.
+
+The whole shutdown is bounded: it ends within :func:`shutdown_bound_s` of the signal, always
+-- ``drain_timeout_s`` + the engines' close (:func:`engine_close_bound_s`: every wait of it,
+by backend) + :data:`SHUTDOWN_GRACE_S` (the aborted requests' answers, the HTTP server's stop
+and the process exit).  A slow but healthy stop fits: every term is the longest its phase may
+wait.  Should anything hold it past that (a worker that does not die, a hang in the
+interpreter's own teardown), a watchdog thread (:class:`ExitDeadline`, armed at the stop
+request and on the command line kept armed to the very end of the process) kills the daemon's
+processes -- children and theirs -- says so on stderr and ends the process with exit 1 (or
+the exit code already decided, when it is not 0).  The shipped unit files' stop timeouts
+exceed the bound.
 
 Exit codes (:data:`EXIT_CODES`): 0 stopped by a signal, drained; 1 failed to start (cannot
-bind, model failed to load or warm up) or an unexpected error; 2 bad configuration; 3 the
-engine pool died while serving (past its restart limit): restart the process.
+bind, model failed to load or warm up), an unexpected error, or a shutdown that overran its
+bound; 2 bad configuration; 3 the engine pool died while serving (past its restart limit):
+restart the process.
 """
 
 from __future__ import annotations
@@ -27,8 +42,10 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, TextIO
@@ -43,20 +60,30 @@ from .notify import SystemdNotifier, serve_watchdog, watchdog_interval
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
 
+    from ..config import EngineConfig
     from .app import ImagesApp
+    from .http import HttpLimits
     from .pool import EnginePool
 
 __all__ = [
+    "ABORT_GRACE_S",
     "EXIT_CODES",
     "EXIT_CONFIG",
     "EXIT_FAILED",
+    "EXIT_MARGIN_S",
     "EXIT_OK",
     "EXIT_POOL_DIED",
+    "GRACEFUL_TIMEOUT_S",
+    "SHUTDOWN_GRACE_S",
+    "ExitDeadline",
     "JsonFormatter",
     "TextFormatter",
     "add_serve_parser",
     "configure_logging",
+    "descendant_pids",
+    "engine_close_bound_s",
     "serve_daemon",
+    "shutdown_bound_s",
 ]
 
 log = logging.getLogger("omni_trio.serve.daemon")
@@ -68,7 +95,8 @@ EXIT_CONFIG = 2
 EXIT_POOL_DIED = 3
 EXIT_CODES = {
     EXIT_OK: "stopped by SIGTERM/SIGINT after draining",
-    EXIT_FAILED: "failed to start (bind, model load, warmup) or an unexpected error",
+    EXIT_FAILED: "failed to start (bind, model load, warmup), an unexpected error, or a "
+    "shutdown that overran its bound (drain + engine close + grace)",
     EXIT_CONFIG: "bad configuration (flags, TOML file, environment)",
     EXIT_POOL_DIED: "the engine pool died past its restart limit",
 }
@@ -77,8 +105,18 @@ SHUTDOWN_REASON = "server shutting down"
 # After the drain timeout aborted what was left: time for those handlers to write their
 # terminal errors before the HTTP server stops.
 ABORT_GRACE_S = 5.0
-# hypercorn: after the shutdown trigger, open connections get this long to finish writing.
+# The HTTP server: after it stops, open connections get this long to finish writing; then
+# they are closed.
 GRACEFUL_TIMEOUT_S = 3.0
+# From the engines' close to the process's end: the trio run's teardown and the
+# interpreter's (atexit handlers such as ray.shutdown, multiprocessing's joins).
+EXIT_MARGIN_S = 2.0
+# The fixed terms of the shutdown bound (see shutdown_bound_s): the abort grace, the HTTP
+# server's stop and the exit margin.
+SHUTDOWN_GRACE_S = ABORT_GRACE_S + GRACEFUL_TIMEOUT_S + EXIT_MARGIN_S
+# The watchdog's last words: at most this long for stderr to take them (a full pipe must
+# not hold the exit).
+LAST_WORDS_S = 1.0
 STATUS_POLL_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -193,6 +231,187 @@ def _describe(exc: BaseException) -> str:
     return f"{type(first).__name__}: {first}"
 
 
+def engine_close_bound_s(engine: EngineConfig) -> float:
+    """The longest one engine's close may take (the replicas close at the same time), from
+    every wait it makes, for ``engine.backend``:
+
+    - ``inproc`` -- ``3 * close_timeout_s``: the worker thread's shutdown (queued behind the
+      forward in flight, which stops at its next step) is awaited for ``close_timeout_s``,
+      the thread is then joined for as long, and the engine loop's own wait for that forward
+      (its stall bound) is as long again;
+    - ``tractor`` and ``ray`` -- ``close_timeout_s`` for the workers to stop when asked, then
+      :data:`~omni_trio.executors.group.TERMINATE_WAIT_S` after a terminate,
+      :data:`~omni_trio.executors.group.KILL_WAIT_S` after a kill, and as long again for the
+      transport to reap its processes or actors;
+    - any other backend: the larger of the two.
+
+    A forward in flight stops at its next step boundary; with the compute budget
+    (``max_step_s``, 10 s by default, after a warmup) that is well within
+    ``close_timeout_s``.  A longer step is cut off by these same waits (the close gives up
+    on it), so it never extends the bound."""
+    from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
+
+    close = engine.close_timeout_s
+    inproc = 3 * close
+    group = close + TERMINATE_WAIT_S + 2 * KILL_WAIT_S
+    backend = engine.backend
+    if backend == "inproc":
+        return inproc
+    if backend in ("tractor", "ray"):
+        return group
+    return max(inproc, group)
+
+
+def shutdown_bound_s(config: ServeConfig) -> float:
+    """The longest a shutdown may take from its signal: ``drain_timeout_s``, then
+    :func:`engine_close_bound_s`, then :data:`SHUTDOWN_GRACE_S` (:data:`ABORT_GRACE_S` for
+    the aborted requests' answers, :data:`GRACEFUL_TIMEOUT_S` for the HTTP server's stop,
+    :data:`EXIT_MARGIN_S` for the exit).  Past it the :class:`ExitDeadline` fires."""
+    return config.drain_timeout_s + engine_close_bound_s(config.engine) + SHUTDOWN_GRACE_S
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process this one can see (Linux ``/proc``)."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return parents
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat = file.read()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        parents[int(entry)] = ppid
+    return parents
+
+
+def descendant_pids(root: int | None = None) -> list[int]:
+    """Every descendant of process ``root`` (default: this one) -- children, theirs, and so
+    on (a forkserver's workers are grandchildren) -- nearest first; empty where there is no
+    ``/proc``."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        below = [c for pid in frontier for c in sorted(children.get(pid, ())) if c not in found]
+        found.extend(below)
+        frontier = below
+    return found
+
+
+def _kill_children() -> None:
+    """SIGKILL every descendant (children, grandchildren...); twice, for one forked
+    meanwhile."""
+    for _ in range(2):
+        for pid in descendant_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _write_stderr(text: str) -> None:
+    """``text`` to file descriptor 2 itself -- no logging handler, whose lock a stuck
+    thread may hold, and no Python-level buffer -- for at most :data:`LAST_WORDS_S`."""
+    data = text.encode("utf-8", "replace")
+    done = threading.Event()
+
+    def write() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(2, view) :]
+        except OSError:
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=write, name="omni-trio-last-words", daemon=True).start()
+    done.wait(LAST_WORDS_S)
+
+
+def _log_line(level: int, message: str) -> str:
+    """``message`` as the daemon's log handler would format it (text or JSON), built
+    without taking any logging lock."""
+    record = logging.LogRecord(log.name, level, __file__, 0, message, None, None)
+    formatter: logging.Formatter | None = None
+    for handler in logging.getLogger().handlers:
+        formatter = handler.formatter
+        break
+    try:
+        return (formatter or TextFormatter()).format(record) + "\n"
+    except Exception:  # pragma: no cover - a broken formatter must not stop the exit
+        return message + "\n"
+
+
+class ExitDeadline:
+    """The last resort of the shutdown bound: once :meth:`arm` ed, a thread waits
+    ``seconds`` and then, unless :meth:`disarm` ed first, kills every descendant process,
+    writes one CRITICAL line straight to stderr and ends the process with ``code()`` -- in
+    that order, taking no lock the stuck program may hold.  A daemon thread, so that it
+    fires even when the event loop is stuck, and so that it may stay armed through the
+    interpreter's teardown (a process that ends first takes it along); it never outlives
+    :meth:`disarm`.
+
+    ``exit``, ``kill_children`` and ``write`` are injectable for tests (default
+    ``os._exit``, SIGKILL to every descendant, and a bounded write to file descriptor 2)."""
+
+    def __init__(
+        self,
+        *,
+        exit: Callable[[int], object] = os._exit,
+        kill_children: Callable[[], None] = _kill_children,
+        write: Callable[[str], None] = _write_stderr,
+    ) -> None:
+        self._exit = exit
+        self._kill_children = kill_children
+        self._write = write
+        self._disarmed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._thread is not None and not self._disarmed.is_set()
+
+    def arm(self, seconds: float, code: Callable[[], int]) -> None:
+        """Start the countdown (once; later calls do nothing)."""
+        if self._thread is not None or self._disarmed.is_set():
+            return
+
+        def run() -> None:
+            if self._disarmed.wait(seconds):
+                return
+            self._kill_children()
+            exit_code = code()
+            self._write(
+                _log_line(
+                    logging.CRITICAL,
+                    f"the shutdown overran its bound of {seconds:.1f} s (drain + engine close "
+                    f"+ {SHUTDOWN_GRACE_S:.0f} s): killed the worker processes; exiting "
+                    f"{exit_code}",
+                )
+            )
+            self._exit(exit_code)
+
+        self._thread = threading.Thread(target=run, name="omni-trio-exit-deadline", daemon=True)
+        self._thread.start()
+
+    def disarm(self) -> None:
+        """Cancel the countdown and join its thread (idempotent)."""
+        self._disarmed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
 async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
     """Return as soon as any of ``waits`` returns (the others are cancelled)."""
     async with trio.open_nursery() as nursery:
@@ -219,6 +438,7 @@ class _Daemon:
         notifier: SystemdNotifier,
         watchdog_s: float | None,
         out: TextIO,
+        deadline: ExitDeadline | None = None,
     ) -> None:
         self.config = config
         self.notifier = notifier
@@ -233,12 +453,18 @@ class _Daemon:
         self.exit_code = EXIT_OK
         self.stop_reason = ""
         self.url = f"http://{config.bind}"  # the bound address once listening (port 0 resolved)
+        self.deadline = deadline if deadline is not None else ExitDeadline()
+        self.max_connections = config.max_connections  # lowered to fit RLIMIT_NOFILE
 
     def _request_stop(self, code: int, reason: str) -> None:
         if not self.stop.is_set():
             self.exit_code = code
             self.stop_reason = reason
             self.stop.set()
+            self.deadline.arm(shutdown_bound_s(self.config), self._forced_exit_code)
+
+    def _forced_exit_code(self) -> int:
+        return self.exit_code if self.exit_code != EXIT_OK else EXIT_FAILED
 
     # -- building -------------------------------------------------------------------------
 
@@ -261,31 +487,50 @@ class _Daemon:
             model_name=c.served_model_name,
             limits=limits,
             api_key=c.api_key,
+            api_keys=c.api_keys,
             store=store,
             metrics=ServeMetrics(pool),
+            public_url=c.public_url,
+            body_read_timeout_s=c.body_read_timeout_s,
+            send_timeout_s=c.send_timeout_s,
+            max_response_bytes_in_flight=c.max_response_bytes_in_flight,
             log=logging.getLogger("omni_trio.serve.access"),
         )
 
-    def _hypercorn_config(self) -> HypercornConfig:
-        from hypercorn.config import Config
+    def _http_limits(self) -> HttpLimits:
+        from .http import HttpLimits
 
-        hc = Config()
-        hc.bind = [self.config.bind]
-        hc.accesslog = None  # the app logs one structured line per request
-        hc.errorlog = logging.getLogger("hypercorn.error")  # through our handler
-        hc.graceful_timeout = GRACEFUL_TIMEOUT_S
-        hc.include_server_header = False
-        return hc
+        c = self.config
+        return HttpLimits(
+            max_connections=self.max_connections,
+            keep_alive_timeout_s=c.keep_alive_timeout_s,
+            send_timeout_s=c.send_timeout_s,
+            max_connection_buffer_bytes=c.max_connection_buffer_bytes,
+            graceful_timeout_s=GRACEFUL_TIMEOUT_S,
+        )
+
+    def _hypercorn_config(self) -> HypercornConfig:
+        """hypercorn's settings (the app logs one structured line per request, hypercorn's
+        own errors go through our handler), with the HTTP limits applied."""
+        return self._http_limits().hypercorn_config([self.config.bind])
 
     # -- running --------------------------------------------------------------------------
 
     async def run(self, signals: Any) -> int:
+        """Serve until stopped; the exit code.  The shutdown bound (:attr:`deadline`, an
+        :class:`ExitDeadline`) is armed by the first stop request and is still armed when
+        this returns: what follows (the trio run's and the interpreter's teardown) is under
+        it too, until its owner disarms it."""
+        from .http import fit_connection_cap
         from .pool import EnginePool
 
         c = self.config
         try:
             pool = EnginePool(c.engine, replicas=c.replicas, max_queue_len=c.max_queue_len)
             app = self._build_app(pool)
+            self.max_connections, warning = fit_connection_cap(c.max_connections)
+            if warning is not None:
+                log.warning("%s", warning)
             hc = self._hypercorn_config()
         except (InvalidConfigError, ValueError) as exc:
             log.error("bad configuration: %s", exc)
@@ -314,16 +559,16 @@ class _Daemon:
             self.notifier.status(f"starting: warming up {c.replicas} replica(s)")
             pool_scope = trio.CancelScope()
             nursery.start_soon(self._serve_pool, pool, pool_scope)
+            nursery.start_soon(self._report_status, pool)
             await _first_of(self.pool_ready.wait, self.stop.wait)
             if self.pool_ready.is_set() and not self.stop.is_set():
                 log.info("ready: serving %d replica(s) on %s", c.replicas, url, extra={"url": url})
                 self.notifier.ready(status=self._serving_status())
-                nursery.start_soon(self._report_status, pool)
             await self.stop.wait()
             if self.exit_code == EXIT_OK:
                 await self._drain(pool)
             self.notifier.status(f"stopping: {self.stop_reason}")
-            self.stop_http.set()  # hypercorn returns once its connections are done
+            self.stop_http.set()  # within GRACEFUL_TIMEOUT_S; then it closes what is left
             await self.http_stopped.wait()
             pool_scope.cancel()
             await self.pool_closed.wait()
@@ -343,13 +588,18 @@ class _Daemon:
         *,
         task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """hypercorn until :attr:`stop_http` is set; ``started`` gets the bound URLs."""
-        from hypercorn.trio import serve as hypercorn_serve
+        """The HTTP server (:mod:`omni_trio.serve.http`) until :attr:`stop_http` is set, then
+        at most :data:`GRACEFUL_TIMEOUT_S` more; ``started`` gets the bound URLs."""
+        from .http import serve_http
 
-        asgi: Any = app  # ImagesApp types the ASGI messages as plain mappings
         try:
-            await hypercorn_serve(
-                asgi, hc, shutdown_trigger=self.stop_http.wait, mode="asgi", task_status=task_status
+            await serve_http(
+                app,
+                hc,
+                self._http_limits(),
+                shutdown_trigger=self.stop_http.wait,
+                metrics=app.metrics,
+                task_status=task_status,
             )
         finally:
             self.http_stopped.set()
@@ -364,7 +614,7 @@ class _Daemon:
             c.replicas,
             e.num_workers,
             c.bind,
-            extra={"api_key": "set" if c.api_key else "unset"},
+            extra={"api_key": f"{len(c.all_api_keys)} key(s)" if c.all_api_keys else "unset"},
         )
         if c.exposed_without_key:
             log.warning(
@@ -450,24 +700,26 @@ class _Daemon:
             log.info("drained: no request in flight")
 
     async def _report_status(self, pool: EnginePool) -> None:
-        """Send STATUS= and log whenever the pool's readiness changes (a replica restarting,
-        back to ready)."""
-        last: tuple[bool, str | None] = (True, None)
-        while True:
-            await trio.sleep(STATUS_POLL_S)
-            if self.stop.is_set():
-                return
+        """Log (INFO) whenever the pool's readiness changes -- once per change, however often
+        ``/ready`` is probed: ``not ready: starting`` at startup, ``not ready: replica 0:
+        restarting ...``, ``ready again`` -- and, once serving, send it as STATUS= too.
+        Stops at the first stop request (the drain logs its own lines)."""
+        last: tuple[bool, str | None] | None = None
+        was_ready = False
+        while not self.stop.is_set():
             now = pool.readiness()
-            if now == last:
-                continue
-            last = now
-            ready, reason = now
-            if ready:
-                log.info("ready again: all replicas healthy")
-                self.notifier.status(self._serving_status())
-            else:
-                log.warning("not ready: %s", reason, extra={"reason": reason})
-                self.notifier.status(f"degraded: {reason}")
+            if now != last:
+                ready, reason = now
+                if not ready:
+                    log.info("not ready: %s", reason, extra={"reason": reason})
+                    if self.pool_ready.is_set():
+                        self.notifier.status(f"degraded: {reason}")
+                elif was_ready:
+                    log.info("ready again: all replicas healthy")
+                    self.notifier.status(self._serving_status())
+                was_ready = was_ready or ready
+                last = now
+            await trio.sleep(STATUS_POLL_S)
 
 
 async def _main(
@@ -475,28 +727,42 @@ async def _main(
     notifier: SystemdNotifier,
     watchdog_s: float | None,
     out: TextIO,
+    deadline: ExitDeadline,
 ) -> int:
     # The receiver goes in before anything starts an engine: the tractor executor installs
     # its own SIGTERM handler only while SIGTERM is SIG_DFL, and ours must win.
     with trio.open_signal_receiver(*SIGNALS) as signals:
-        return await _Daemon(config, notifier, watchdog_s, out).run(signals)
+        return await _Daemon(config, notifier, watchdog_s, out, deadline).run(signals)
 
 
-def serve_daemon(config: ServeConfig, *, out: TextIO | None = None) -> int:
+def serve_daemon(
+    config: ServeConfig,
+    *,
+    out: TextIO | None = None,
+    exit_deadline: ExitDeadline | None = None,
+) -> int:
     """Run the daemon until SIGTERM/SIGINT (then drain) or until the engine pool dies;
     returns the process exit code (see :data:`EXIT_CODES`).  Configures logging from
     ``config`` and reads (then clears from the environment) ``NOTIFY_SOCKET`` and the
-    watchdog variables.  Must run in the main thread (signal handling)."""
+    watchdog variables.  Must run in the main thread (signal handling).
+
+    The shutdown bound: without ``exit_deadline`` the daemon's own one is disarmed before
+    this returns (the caller goes on with its process).  Given one (``omni-trio serve``
+    gives one), it is armed at the stop request and left armed: the caller is about to end
+    the process, and the interpreter's teardown is bounded by it too."""
     configure_logging(config.log_format, config.log_level)
     watchdog_s = watchdog_interval()
     notifier = SystemdNotifier.from_environ(unset=True)
+    deadline = exit_deadline if exit_deadline is not None else ExitDeadline()
     try:
-        return trio.run(_main, config, notifier, watchdog_s, out or sys.stdout)
+        return trio.run(_main, config, notifier, watchdog_s, out or sys.stdout, deadline)
     except (Exception, BaseExceptionGroup) as exc:
         log.critical("unexpected error: %s", _describe(exc), exc_info=exc)
         return EXIT_FAILED
     finally:
         notifier.close()
+        if exit_deadline is None:
+            deadline.disarm()
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -504,13 +770,17 @@ def serve_daemon(config: ServeConfig, *, out: TextIO | None = None) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``omni-trio serve``: build the config (exit 2 with one line on stderr if it is bad),
-    then :func:`serve_daemon`."""
+    then :func:`serve_daemon`, whose shutdown bound stays armed until the process ends."""
     try:
         config = ServeConfig.from_args(args)
+        # A bad model is one line now, not after the listener is up and a replica failed.
+        check = getattr(args, "check_engine_config", None)
+        if check is not None:
+            check(config.engine)
     except InvalidConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    return serve_daemon(config)
+    return serve_daemon(config, exit_deadline=ExitDeadline())
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

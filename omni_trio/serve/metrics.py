@@ -3,12 +3,24 @@
 Counted by the app as requests end::
 
     omni_trio_requests_total{route,status}      every HTTP request, by route template and status
+                                                (route="protocol_error": refused by the HTTP
+                                                server itself, 400/431/501/505)
     omni_trio_images_generated_total            images returned to clients
     omni_trio_aborts_total{reason}              generations aborted: cancelled (DELETE),
                                                 disconnect, timeout, drain
     omni_trio_queue_wait_seconds                histograms of completed generations' phases
     omni_trio_execution_seconds                 (engine queue wait, engine execution, and the
     omni_trio_end_to_end_seconds                server's total from request to response)
+
+Set by the HTTP server and the app as they go::
+
+    omni_trio_connections                       open client connections (max_connections)
+    omni_trio_connections_refused_total         connections refused at the connection cap
+    omni_trio_slow_clients_total{reason}        clients dropped or answered 408 for being slow,
+                                                once each: send_timeout, body_timeout
+    omni_trio_response_bytes_in_flight          response bytes held for clients: reserved
+                                                answers of generations, answers being written
+                                                (max_response_bytes_in_flight)
 
 Read from the pool at scrape time (a custom collector, so nothing polls)::
 
@@ -27,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -139,6 +151,24 @@ class ServeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.connections = Gauge("omni_trio_connections", "Open client connections", registry=r)
+        self.connections_refused = Counter(
+            "omni_trio_connections_refused",
+            "Connections refused at the connection cap (max_connections)",
+            registry=r,
+        )
+        self.slow_clients = Counter(
+            "omni_trio_slow_clients",
+            "Clients dropped (send_timeout) or answered 408 (body_timeout) for being slow",
+            ["reason"],
+            registry=r,
+        )
+        self.response_bytes_in_flight = Gauge(
+            "omni_trio_response_bytes_in_flight",
+            "Response bytes held for clients: generations' reserved answers and answers being "
+            "written (max_response_bytes_in_flight)",
+            registry=r,
+        )
         if pool is not None:
             r.register(_PoolCollector(pool))
 
@@ -147,6 +177,12 @@ class ServeMetrics:
 
     def observe_abort(self, reason: str) -> None:
         self.aborts.labels(reason=reason).inc()
+
+    def observe_connection_refused(self) -> None:
+        self.connections_refused.inc()
+
+    def observe_slow_client(self, reason: str) -> None:
+        self.slow_clients.labels(reason=reason).inc()
 
     def observe_generation(self, metrics: RequestMetrics, total_ms: float, images: int) -> None:
         """A completed generation: its phases and the images it returned."""

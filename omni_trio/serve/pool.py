@@ -9,10 +9,18 @@ limit :meth:`EnginePool.serve` raises :class:`~omni_trio.errors.RestartLimitErro
 then exits non-zero so the OS supervisor restarts the process).
 
 Admission is synchronous (:meth:`EnginePool.submit` never checkpoints) and the pool keeps an
-index ``request id -> stream`` of every request in flight, so request ids are unique across
-replicas and ``DELETE /v1/requests/{id}`` can find the replica to abort on.  The ids of the
-last :data:`FINISHED_IDS_KEPT` requests that ended are remembered (an LRU) so that a cancel
-of an id that already finished is told apart from an unknown id.
+index ``engine request id -> stream`` of every request in flight, so request ids are unique
+across replicas and ``DELETE /v1/requests/{id}`` can find the replica to abort on.  The ids of
+the last :data:`FINISHED_IDS_KEPT` requests that ended are remembered (an LRU) so that a
+cancel of an id that already finished is told apart from an unknown id.
+
+Ownership: every request has an ``owner`` (an opaque tag of the API key or client token that
+made it; ``""`` for anonymous) and a *public* id (the client's ``X-Request-Id`` or a generated
+one).  Public ids are scoped per owner: the engine runs the request under
+:func:`engine_request_id` ``(public id, owner)`` -- the public id itself for the anonymous
+owner, ``"{public id}@{owner}"`` otherwise -- so two owners may use the same public id, and
+every lookup (:meth:`~EnginePool.abort`, :meth:`~EnginePool.progress`,
+:meth:`~EnginePool.status`) by another owner finds nothing, as if the id did not exist.
 
 Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
 
@@ -40,12 +48,14 @@ import trio
 from trio_typing import TaskStatus
 
 from .._core.health import EngineState
+from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
 from .._core.request import SamplingParams
 from .._core.trace import TraceRecorder
 from ..config import EngineConfig
 from ..errors import (
     DuplicateRequestError,
+    EngineClosedError,
     EngineDeadError,
     InvalidConfigError,
     OmniTrioError,
@@ -63,6 +73,7 @@ __all__ = [
     "PooledStream",
     "QueueFullError",
     "Submission",
+    "engine_request_id",
     "new_request_id",
 ]
 
@@ -95,6 +106,12 @@ def new_request_id() -> str:
     return f"req-{secrets.token_hex(16)}"
 
 
+def engine_request_id(public_id: str, owner: str = "") -> str:
+    """The id the engine runs ``owner``'s request ``public_id`` under: unique across owners
+    (client ids never hold ``@``), and the public id itself for the anonymous owner."""
+    return f"{public_id}@{owner}" if owner else public_id
+
+
 class PooledStream:
     """One request's output stream as the pool hands it out: the replica's
     :class:`~omni_trio.runtime.request_stream.RequestStream` plus the pool's bookkeeping.
@@ -108,15 +125,28 @@ class PooledStream:
     """
 
     def __init__(
-        self, inner: RequestStream, replica: int, on_done: Callable[[PooledStream], None]
+        self,
+        inner: RequestStream,
+        replica: int,
+        on_done: Callable[[PooledStream], None],
+        *,
+        public_id: str | None = None,
+        owner: str = "",
     ) -> None:
         self._inner = inner
         self.replica = replica
+        self.owner = owner
+        self.public_id = inner.request_id if public_id is None else public_id
         self.abort_reason: str | None = None
         self._on_done: Callable[[PooledStream], None] | None = on_done
 
     @property
     def request_id(self) -> str:
+        """The public id (what the client sees)."""
+        return self.public_id
+
+    @property
+    def engine_request_id(self) -> str:
         return self._inner.request_id
 
     @property
@@ -163,8 +193,9 @@ class PooledStream:
 
 @dataclass(frozen=True, slots=True)
 class Submission:
-    """What :meth:`EnginePool.submit` returns: the request's id, the replica it runs on, its
-    output stream and the seed it runs with (chosen at admission when the caller gave none)."""
+    """What :meth:`EnginePool.submit` returns: the request's public id, the replica it runs
+    on, its output stream and the seed it runs with (chosen at admission when the caller gave
+    none)."""
 
     request_id: str
     replica: int
@@ -255,7 +286,8 @@ class EnginePool:
         self._replicas = [_Replica(i) for i in range(replicas)]
         # Invariant: an id is in _active exactly while its PooledStream is unreleased.
         self._active: dict[str, PooledStream] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        # (owner, public id) of the last requests that ended.
+        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._draining = False
         self._serving = False
         self._stopped = False
@@ -351,16 +383,23 @@ class EnginePool:
         ]
 
     def submit(
-        self, prompt: str, params: SamplingParams, *, request_id: str | None = None
+        self,
+        prompt: str,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        owner: str = "",
     ) -> Submission:
-        """Admit a request on the least-loaded ready replica (no checkpoint); while none is
-        ready, on one whose worker group is restarting (it waits in that engine's queue).
+        """Admit ``owner``'s request on the least-loaded ready replica (no checkpoint); while
+        none is ready, on one whose worker group is restarting (it waits in that engine's
+        queue).  ``request_id`` is the public id (default: a generated one); the engine runs
+        it as :func:`engine_request_id` ``(request_id, owner)``.
 
         Load is the replica's requests in flight through the pool (each of its waiting and
         running requests has one open stream); ties go to the lowest index.  Raises
         :class:`DrainingError`, :class:`QueueFullError`, :class:`NotReadyError`,
-        :class:`~omni_trio.errors.DuplicateRequestError` (the id is in flight on any
-        replica), :class:`~omni_trio.errors.InvalidRequestError` from the engine's
+        :class:`~omni_trio.errors.DuplicateRequestError` (the owner has that id in flight on
+        any replica), :class:`~omni_trio.errors.InvalidRequestError` from the engine's
         validation, and :class:`~omni_trio.errors.EngineDeadError` once the pool gave up.
         Nothing is admitted when it raises.
         """
@@ -370,31 +409,33 @@ class EnginePool:
             raise DrainingError("the server is draining and admits no new requests")
         if len(self._active) >= self.max_queue_len:
             raise QueueFullError(len(self._active), self.max_queue_len)
-        rid = request_id if request_id is not None else new_request_id()
+        public = request_id if request_id is not None else new_request_id()
+        rid = engine_request_id(public, owner)
         if rid in self._active:
-            raise DuplicateRequestError(rid)
+            raise DuplicateRequestError(public)
         admitting = self._admitting_replicas()
         if not admitting:
             raise NotReadyError(self.readiness()[1] or "no replica is ready")
         replica = min(admitting, key=lambda r: (r.in_flight, r.index))
         assert replica.engine is not None
         inner = replica.engine.stream(prompt, params, request_id=rid)
-        stream = PooledStream(inner, replica.index, self._release)
+        stream = PooledStream(inner, replica.index, self._release, public_id=public, owner=owner)
         self._active[rid] = stream
-        self._finished.pop(rid, None)
+        self._finished.pop((owner, public), None)
         replica.in_flight += 1
         if self._idle.is_set():
             self._idle = trio.Event()
-        return Submission(rid, replica.index, stream, inner.seed)
+        return Submission(public, replica.index, stream, inner.seed)
 
     def _release(self, stream: PooledStream) -> None:
-        rid = stream.request_id
+        rid = stream.engine_request_id
         if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
             return
         del self._active[rid]
         self._replicas[stream.replica].in_flight -= 1
-        self._finished[rid] = None
-        self._finished.move_to_end(rid)
+        key = (stream.owner, stream.public_id)
+        self._finished[key] = None
+        self._finished.move_to_end(key)
         while len(self._finished) > FINISHED_IDS_KEPT:
             self._finished.popitem(last=False)
         if not self._active:
@@ -402,25 +443,38 @@ class EnginePool:
 
     # -- control ---------------------------------------------------------------------------
 
-    def abort(self, request_id: str, *, reason: str = "cancelled") -> str:
-        """Abort one request (no checkpoint): ``"aborted"`` if it was in flight (its stream
-        gets a terminal FINISHED_ABORTED output; its forward stops at the next step),
-        ``"finished"`` if it already ended (among the last ids remembered), else
-        ``"unknown"``."""
-        stream = self._active.get(request_id)
+    def abort(self, request_id: str, *, owner: str = "", reason: str = "cancelled") -> str:
+        """Abort ``owner``'s request ``request_id`` (public id; no checkpoint): ``"aborted"``
+        if it was in flight (its stream gets a terminal FINISHED_ABORTED output; its forward
+        stops at the next step), ``"finished"`` if it already ended (among the last ids
+        remembered), else ``"unknown"`` -- also for another owner's request."""
+        stream = self._lookup(request_id, owner)
         if stream is None:
-            return "finished" if request_id in self._finished else "unknown"
+            return "finished" if (owner, request_id) in self._finished else "unknown"
+        return self._abort(stream, reason)
+
+    def _lookup(self, request_id: str, owner: str) -> PooledStream | None:
+        """``owner``'s stream for public id ``request_id``, if in flight.  The owner is
+        checked too, not only implied by the engine id: a path id holding ``@`` must never
+        reach another owner's request."""
+        stream = self._active.get(engine_request_id(request_id, owner))
+        if stream is None or stream.owner != owner or stream.public_id != request_id:
+            return None
+        return stream
+
+    def _abort(self, stream: PooledStream, reason: str) -> str:
+        rid = stream.engine_request_id
         if stream.abort_reason is None:
             stream.abort_reason = reason
         engine = self._replicas[stream.replica].engine
         if engine is not None:
-            engine.abort(request_id)
+            engine.abort(rid)
         return "aborted"
 
     def abort_all(self, reason: str) -> None:
         """Abort every request in flight, marking each with ``reason`` (no checkpoint)."""
-        for rid in list(self._active):
-            self.abort(rid, reason=reason)
+        for stream in list(self._active.values()):
+            self._abort(stream, reason)
 
     def start_draining(self) -> None:
         """Stop admitting: every later :meth:`submit` raises :class:`DrainingError` and
@@ -432,15 +486,47 @@ class EnginePool:
         while self._active:
             await self._idle.wait()
 
-    def progress(self, request_id: str) -> tuple[int, int] | None:
-        """(steps done, total steps) of a running request where its backend tracks it."""
-        stream = self._active.get(request_id)
+    def progress(self, request_id: str, *, owner: str = "") -> tuple[int, int] | None:
+        """(steps done, total steps) of ``owner``'s running request ``request_id`` (public
+        id) where its backend tracks it."""
+        stream = self._lookup(request_id, owner)
         if stream is None:
             return None
         engine = self._replicas[stream.replica].engine
         if engine is None or not engine.health().healthy:
             return None
-        return engine.progress(request_id)
+        return engine.progress(stream.engine_request_id)
+
+    def status(self, request_id: str, *, owner: str = "") -> str | None:
+        """Where ``owner``'s request ``request_id`` (public id) is: ``"queued"`` (waiting,
+        or requeued after a worker failure), ``"running"``, ``"finished"`` (ended, among
+        the last ids remembered), or None when unknown -- also for another owner's."""
+        stream = self._lookup(request_id, owner)
+        if stream is None:
+            return "finished" if (owner, request_id) in self._finished else None
+        engine = self._replicas[stream.replica].engine
+        state = engine.status(stream.engine_request_id) if engine is not None else None
+        if state is None or state.finished:  # its terminal output is on its way
+            return "finished"
+        if state in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return "queued"
+        return "running"
+
+    def default_size(self) -> tuple[int, int] | None:
+        """``(width, height)`` a request that leaves its size unset renders at: the served
+        model's default, from the first replica whose worker group has started; None while
+        none has."""
+        for replica in self._replicas:
+            engine = replica.engine
+            if engine is None:
+                continue
+            try:
+                info = engine.executor.model_info
+            except EngineClosedError:  # no worker group yet
+                continue
+            if info is not None:
+                return info.default_width, info.default_height
+        return None
 
     def replica_engine(self, index: int) -> AsyncEngine | None:
         """Replica ``index``'s engine while it is open (for diagnostics and tests)."""

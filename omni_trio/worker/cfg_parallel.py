@@ -32,6 +32,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -296,12 +297,59 @@ def init_cfg_group(
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store = _loopback_store(init_method, rank, world_size, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return CfgParallel(rank, world_size, backend=backend)
+
+
+def _loopback_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> Any | None:
+    """For a loopback ``tcp://`` rendezvous, the group's store, listening on loopback only.
+
+    torch's own ``tcp://`` init makes rank 0's store listen on every interface; here rank 0
+    binds the port on the loopback host itself and hands the socket to the store.  None for
+    any other init method (a multi-node rendezvous binds as torch does, see
+    docs/multi-node.md).  Rank 0's store owns the listening socket from then on (it closes
+    it when the group is destroyed)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    parts = urlsplit(init_method)
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        return None
+    try:
+        if not ipaddress.ip_address(parts.hostname).is_loopback:
+            return None
+    except ValueError:
+        return None
+    host, port = parts.hostname, parts.port
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        with contextlib.suppress(OSError):  # the store may have taken the descriptor
+            listener.close()
+        raise
+    listener.detach()  # the store's now
+    return store

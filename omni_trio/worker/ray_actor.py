@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, fields, is_dataclass, replace
+from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 from .faults import mark_worker_process
@@ -126,7 +126,7 @@ class RayWorker:
         return {
             "pid": os.getpid(),
             "node_ip": ray.util.get_node_ip_address(),
-            "model_info": asdict(info),
+            "model_info": info.to_dict(),
         }
 
     def call(self, call: Any) -> Any:

@@ -22,9 +22,10 @@ alone with a ``ValueError`` output and is left out of the forward.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,16 @@ def convert_output(raw: Any, output_type: str) -> Any:
     return Image.fromarray(pixels)
 
 
+def _median_interval_ms(times: Sequence[float]) -> float | None:
+    """The median gap between consecutive ``times`` (seconds) in ms; None below two."""
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    median = gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+    return median * 1000.0
+
+
 def _all(ids: Sequence[str], **fields: Any) -> BatchRunnerOutput:
     return BatchRunnerOutput.from_list([RunnerOutput(rid, **fields) for rid in ids])
 
@@ -90,6 +101,8 @@ class ForwardedBatch:
     items: tuple[tuple[DiffusionRequest, Sequence[Any]], ...] = ()
     forward_ms: float = 0.0
     faults: FaultPlan | None = None
+    # The median time between step ends (ms): one denoising step; None below two steps.
+    step_ms: float | None = None
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -274,7 +287,10 @@ class ModelRunner:
         output_type = requests[0].sampling.output_type
         progress = self.progress
 
+        step_ends: list[float] = []
+
         def on_step(step: int, total: int) -> None:
+            step_ends.append(time.perf_counter())
             if must_stop():
                 raise ForwardStopped(ids, step)
             self.steps_done += 1
@@ -319,7 +335,7 @@ class ModelRunner:
             else:
                 items.append((request, images))
         return BatchRunnerOutput.from_list(done), ForwardedBatch(
-            tuple(items), forward_ms, plan if plan else None
+            tuple(items), forward_ms, plan if plan else None, _median_interval_ms(step_ends)
         )
 
     def pack_outputs(self, batch: ForwardedBatch) -> BatchRunnerOutput:
@@ -344,10 +360,12 @@ class ModelRunner:
             except Exception as exc:
                 outputs.append(RunnerOutput.from_exception(rid, exc))
                 continue
-            timings: Mapping[str, float] = {
+            timings: dict[str, float] = {
                 "forward_ms": batch.forward_ms,
                 "postprocess_ms": (time.perf_counter() - post_started) * 1000.0,
             }
+            if batch.step_ms is not None:
+                timings["step_ms"] = batch.step_ms
             outputs.append(RunnerOutput(rid, images=converted, timings=timings))
         return BatchRunnerOutput.from_list(outputs)
 

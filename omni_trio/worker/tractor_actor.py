@@ -41,6 +41,7 @@ from typing import Any
 import tractor
 import trio
 
+from ..ipc.handshake import guard_tractor_handshake
 from .faults import mark_worker_process
 
 __all__ = ["WORKER_MODULE", "watch_parent_process", "serve_worker"]
@@ -48,6 +49,10 @@ __all__ = ["WORKER_MODULE", "watch_parent_process", "serve_worker"]
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = __name__
+
+# A worker imports this module right after it dialled its parent, before anything else can
+# reach it: from then on only its group's processes may connect to its port.
+guard_tractor_handshake()
 
 
 # The engine process this worker watches (see :func:`watch_parent_process`), once armed.
@@ -168,8 +173,6 @@ async def serve_worker(
     is the engine's process: this worker ends when it dies (None: the OS parent, right only
     for tractor's ``trio`` start method).
     """
-    from dataclasses import asdict
-
     from .._core.messages import AsyncOutput, WorkerAbort, WorkerCall
     from ..config import EngineConfig
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
@@ -214,7 +217,7 @@ async def serve_worker(
     host = WorkerHost(worker, post_output)
     try:
         info = await thread.run(host.start)
-        await ctx.started({"pid": os.getpid(), "model_info": asdict(info)})
+        await ctx.started({"pid": os.getpid(), "model_info": info.to_dict()})
 
         async def write(stream: Any) -> None:
             try:

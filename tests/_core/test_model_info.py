@@ -46,3 +46,47 @@ def test_fixed_size_defaults_to_what_the_family_implies() -> None:
     assert ModelInfo("u", "unconditional", True, 32, 32, False).fixed_size is True
     assert ModelInfo("t", "text2image", True, 64, 64, True).fixed_size is False
     assert ModelInfo("t", "text2image", True, 64, 64, True, fixed_size=True).fixed_size is True
+
+
+def test_sizes_above_the_models_largest_side_are_refused() -> None:
+    info = ModelInfo("shapes", "text2image", True, 32, 32, True, min_side=24, max_side=64)
+    assert info.resolve_size(64, 24) == (64, 24)
+    with pytest.raises(InvalidRequestError, match=r"up to 64x64, not 128x128") as refused:
+        info.resolve_size(128, 128)
+    assert refused.value.param == "size"
+
+
+def test_warmup_never_goes_below_the_smallest_side() -> None:
+    info = ModelInfo("m", "text2image", True, 16, 16, True, min_side=24)
+    warm = info.warmup_sampling()
+    assert (warm.height, warm.width) == (24, 24)
+
+
+def test_extra_args_keys_the_model_does_not_read_are_refused() -> None:
+    reads = ModelInfo("echo", "echo", True, 64, 64, False, extra_args=frozenset({"delay"}))
+    reads.check_extra_args({"delay": 1, "faults": []})  # faults are the runtime's own
+    with pytest.raises(InvalidRequestError, match=r"does not read extra_args 'strength'") as info:
+        reads.check_extra_args({"delay": 1, "strength": 0.5})
+    assert info.value.param == "extra_args" and "it reads: delay" in str(info.value)
+    none = ModelInfo("sd", "text2image", True, 64, 64, True, extra_args=frozenset())
+    with pytest.raises(InvalidRequestError, match=r"it reads: none"):
+        none.check_extra_args({"lora": "x"})
+    FREE.check_extra_args({"anything": 1})  # None: the model checks its own
+
+
+def test_an_unconditional_model_names_the_fields_it_ignores() -> None:
+    from omni_trio._core.request import SamplingParams
+
+    info = ModelInfo(
+        "ddim",
+        "unconditional",
+        True,
+        32,
+        32,
+        False,
+        ignored_params=frozenset({"prompt", "negative_prompt", "guidance_scale"}),
+    )
+    assert info.ignored(SamplingParams()) == ("prompt",)
+    both = SamplingParams(negative_prompt="blurry", guidance_scale=3.0)
+    assert info.ignored(both) == ("prompt", "negative_prompt", "guidance_scale")
+    assert FREE.ignored(both) == ()

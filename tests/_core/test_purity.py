@@ -11,6 +11,8 @@ import pytest
 
 import omni_trio._core
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 CORE_DIR = Path(omni_trio._core.__file__).parent
 CORE_MODULES = sorted(p.stem for p in CORE_DIR.glob("*.py") if p.stem != "__init__")
 # Relative imports the core may make: its own modules and the error tree.

@@ -26,6 +26,8 @@ from omni_trio.bench.executors import (
 )
 from omni_trio.bench.harness import Summary, pair_differences, pair_ratios
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-trio")

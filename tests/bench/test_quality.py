@@ -17,6 +17,8 @@ from omni_trio.bench import add_bench_parser, run_bench
 from omni_trio.bench.quality import COLOUR_TARGET, SHAPE_TARGET, prompt_for
 from omni_trio.models.shapes import COLOURS, SHAPES
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 
 def _run(argv: list[str], tmp_path: Path) -> tuple[int, dict[str, Any], str]:
     parser = argparse.ArgumentParser(prog="omni-trio")

@@ -48,3 +48,20 @@ def test_a_failed_request_after_the_restart_is_not_a_recovery() -> None:
         (2.5, K.TERMINAL, "r", {"status": "FINISHED_ERROR"}),
     )
     assert recovery_times(trace.events, killed_at=1.0)[2] is None
+
+
+def test_the_poison_part_is_a_part_of_its_own() -> None:
+    import argparse
+
+    import pytest
+
+    from omni_trio.bench.recovery import PARTS, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--parts", "poison", "--poison-every-s", "0.5"])
+    assert args.parts == ("poison",) and args.poison_every_s == 0.5 and args.poison_s == 60.0
+    assert parser.parse_args([]).parts == ("recovery", "soak")  # the default is unchanged
+    assert "poison" in PARTS
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--parts", "poisson"])

@@ -24,6 +24,8 @@ from omni_trio.executors.group import GroupExecutor
 from omni_trio.models.echo import ECHO_STEP_DELAY_S, decode_echo_image
 from tests.executors.test_tractor_executor import _exists, poll_until, wait_running
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 CAP_S = 90.0
 DOC = Path(__file__).resolve().parents[2] / "docs" / "backends.md"
 

@@ -47,6 +47,8 @@ from tests.executors.test_tractor_executor import (
     wait_until_gone,
 )
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 CAP_S = 90.0
 S = RequestStatus
 

@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from omni_trio import (
     open_engine,
 )
 from omni_trio._core.trace import TraceRecorder
+from omni_trio.executors import ray_executor as ray_module
 from omni_trio.executors.base import open_executor
 from omni_trio.executors.group import is_secret_env_name, secrets_hidden
 from omni_trio.executors.ray_executor import RayExecutor, _is_loopback_address, actor_env
@@ -52,6 +55,8 @@ from .test_tractor_executor import (
     wait_running,
     wait_until_gone,
 )
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 S = RequestStatus
 
@@ -504,3 +509,50 @@ async def test_an_rpc_past_its_timeout_fails_the_group_closed(
             assert executor.is_dead
             await executor.wait_failed()
         await wait_until_gone([pid], timeout=10.0)
+
+
+# -- reaching a cluster: a one-line error, never a wait of minutes ------------------------
+
+
+def test_an_address_nothing_listens_on_is_refused_at_once() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again below: nothing listens there
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        started = time.monotonic()
+        with pytest.raises(InvalidConfigError) as info:
+            ray_module.check_reachable(address, timeout_s=5.0)
+        assert time.monotonic() - started < 5.0
+        message = str(info.value)
+        assert "\n" not in message and address in message and "ray start --head" in message
+        assert info.value.field == "ray_address"
+
+
+def test_a_listening_address_and_auto_pass_the_check() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        ray_module.check_reachable(f"127.0.0.1:{sock.getsockname()[1]}", timeout_s=5.0)
+    ray_module.check_reachable("auto")  # resolved by Ray itself, not a host:port
+
+
+def test_a_ray_init_that_never_returns_is_bounded() -> None:
+    """A fake init that blocks (an address that accepts but never answers like Ray)."""
+    release = threading.Event()
+
+    class FakeRay:
+        @staticmethod
+        def is_initialized() -> bool:
+            return False
+
+    try:
+        with pytest.raises(InvalidConfigError, match=r"did not finish within 0.2 s \(joining"):
+            ray_module._init_in_owner_thread(
+                release.wait, FakeRay, what="joining 'x:1'", timeout_s=0.2
+            )
+    finally:
+        release.set()

@@ -47,6 +47,8 @@ from omni_trio.ipc import (
 
 from ._child import child_latents, encode_in_child
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 
 def assert_same(a: Any, b: Any) -> None:
     """Deep equality that also checks container types and compares images by pixels."""

@@ -6,7 +6,11 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 import omni_trio.ipc as ipc
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 
 def test_all_is_exactly_what_the_package_exports() -> None:

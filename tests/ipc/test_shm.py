@@ -32,6 +32,8 @@ from omni_trio.ipc import (
     unpack,
 )
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 
 def segment_mode(name: str) -> int:
     return stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,11 @@ import torch
 from omni_trio.errors import InvalidConfigError
 from omni_trio.models import BUILTIN_MODELS, load_model
 from omni_trio.models.echo import EchoModel
+from omni_trio.models.loading import check_model, quiet_import_advice
 
 from .support import generators, no_steps, request
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 
 def load(model: str, cache_dir: Path, **options: Any) -> Any:
@@ -93,6 +97,7 @@ def test_an_unsupported_pipeline_directory_is_named(tmp_path: Path, tiny_sd: Any
 def test_importing_the_package_does_not_import_torch() -> None:
     code = (
         "import sys, omni_trio.models; "
+        "from omni_trio.models.loading import check_model; check_model('builtin:shapes'); "
         "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -105,3 +110,72 @@ def test_an_unwritable_cache_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfigError) as info:
         load("builtin:tiny-ddim", blocker)
     assert info.value.field == "cache_dir"
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("builtin:nosuch", "unknown built-in model 'builtin:nosuch'; built-ins are "),
+        ("nosuch", "model 'nosuch' is neither a built-in ("),
+        ("./models/nosuch", "model './models/nosuch' is neither a built-in ("),
+    ],
+)
+def test_check_model_says_what_is_wrong_in_one_line(model: str, expected: str) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        check_model(model)
+    assert str(info.value).startswith(expected)
+    assert "\n" not in str(info.value)
+    assert info.value.field == "model"
+    for name in BUILTIN_MODELS:
+        check_model(name)
+
+
+def test_check_model_accepts_a_pipeline_directory(tmp_path: Path) -> None:
+    with pytest.raises(InvalidConfigError, match=r"no model_index\.json"):
+        check_model(str(tmp_path))
+    (tmp_path / "model_index.json").write_text("{}")
+    check_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("hub_id", ["stabilityai/sd-turbo", "runwayml/stable-diffusion-v1-5"])
+def test_a_hub_id_says_how_to_make_a_local_copy(tmp_path: Path, hub_id: str) -> None:
+    with pytest.raises(InvalidConfigError) as info:
+        load(hub_id, tmp_path)  # load_model says the same as check_model
+    message = str(info.value)
+    assert "\n" not in message
+    assert "looks like a Hugging Face Hub id" in message
+    assert f"huggingface-cli download {hub_id} --local-dir DIR" in message
+    assert f"huggingface_hub.snapshot_download({hub_id!r}, local_dir=DIR)" in message
+    assert message.endswith("then use that directory as the model (--model DIR)")
+
+
+def test_only_the_torchvision_advice_is_dropped() -> None:
+    quiet_import_advice()
+    quiet_import_advice()  # idempotent
+    logger = logging.getLogger("transformers.utils.import_utils")
+    assert len([f for f in logger.filters if type(f).__name__ == "_DropTorchvisionFallback"]) == 1
+
+    def kept(message: str) -> bool:
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)
+        return bool(logger.filter(record))
+
+    assert not kept(
+        "`CLIPImageProcessor` requires torchvision (not installed); falling back to "
+        "`CLIPImageProcessorPil` for backward compatibility."
+    )
+    assert kept("something else transformers says")
+
+
+def test_loading_prints_nothing_of_transformers(tmp_path: Path) -> None:
+    """A fresh process (transformers warns once per process): loading builtin:shapes, which
+    imports diffusers' SD pipeline and with it transformers' image processors, is silent."""
+    code = (
+        "import torch; from omni_trio.models import load_model; "
+        "load_model('builtin:shapes', device=torch.device('cpu'), dtype=torch.float32, "
+        f"cache_dir={str(tmp_path)!r}, options={{}})"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert "torchvision" not in proc.stderr
+    assert proc.stderr == ""

@@ -1,16 +1,17 @@
-"""A real server for the serve tests: the real :class:`ImagesApp` under hypercorn's trio
-worker, on a free loopback port, in the test's own trio run, in front of a real
-:class:`EnginePool` of ``builtin:echo`` engines (inproc, no warmup, a small step delay).
+"""A real server for the serve tests: the real :class:`ImagesApp` under the daemon's HTTP
+server (:mod:`omni_trio.serve.http`: hypercorn's protocols under our listener), on a free
+loopback port, in the test's own trio run, in front of a real :class:`EnginePool` of
+``builtin:echo`` engines (inproc, no warmup, a small step delay).
 
-``run_server(...)`` takes the knobs a test needs (replicas, queue length, API key, limits,
-engine overrides); the ``server`` fixture is the default flavour and ``stream_server`` the
-step-mode one whose engines stream preview chunks (``streaming_output=True``).
+``run_server(...)`` takes the knobs a test needs (replicas, queue length, API keys, limits,
+the app's slow-client bounds, the HTTP server's :class:`HttpLimits`, engine overrides); the
+``server`` fixture is the default flavour and ``stream_server`` the step-mode one whose
+engines stream preview chunks (``streaming_output=True``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,12 +21,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
 from omni_trio.config import EngineConfig
 from omni_trio.runtime.engine import AsyncEngine
 from omni_trio.serve.app import ImagesApp
+from omni_trio.serve.http import HttpLimits, HttpServer
 from omni_trio.serve.images import ImageStore, ServeLimits
 from omni_trio.serve.metrics import ServeMetrics
 from omni_trio.serve.pool import EnginePool
@@ -57,6 +57,7 @@ class Server:
     metrics: ServeMetrics
     clock: FakeClock
     records: list[dict[str, Any]] = field(default_factory=list)
+    http: HttpServer | None = None
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         kwargs.setdefault("timeout", 20.0)
@@ -74,15 +75,19 @@ async def run_server(
     replicas: int = 1,
     max_queue_len: int = 64,
     api_key: str | None = None,
+    api_keys: tuple[str, ...] = (),
     limits: ServeLimits | None = None,
     step_delay_s: float = STEP_DELAY_S,
     model: str = MODEL,
     store: ImageStore | None = None,
+    http_limits: HttpLimits | None = None,
+    app_options: dict[str, Any] | None = None,
     **engine_overrides: Any,
 ) -> AsyncIterator[Server]:
-    """Start pool + app + hypercorn; yield once the port is bound; cancel all on exit.
+    """Start pool + app + HTTP server; yield once the port is bound; cancel all on exit.
 
-    The image store (600 s ttl) runs on ``Server.clock`` unless ``store`` is given."""
+    The image store (600 s ttl) runs on ``Server.clock`` unless ``store`` is given;
+    ``app_options`` go to :class:`ImagesApp` (``public_url``, ``send_timeout_s`` ...)."""
     options = {"step_delay_s": step_delay_s} if model == MODEL else {}
     config = EngineConfig(model=model, warmup=False, model_options=options).replace(
         **engine_overrides
@@ -97,22 +102,23 @@ async def run_server(
         model_name=model,
         limits=limits or ServeLimits(),
         api_key=api_key,
+        api_keys=api_keys,
         store=store,
         metrics=metrics,
         log=records.append,
+        **(app_options or {}),
     )
-    hc = Config()
-    hc.bind = ["127.0.0.1:0"]
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.graceful_timeout = 1.0
+    http_limits = http_limits or HttpLimits(graceful_timeout_s=1.0)
+    http = HttpServer(
+        app, http_limits.hypercorn_config(["127.0.0.1:0"]), http_limits, metrics=metrics
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)
-        binds = await nursery.start(partial(serve, app, hc))
+        binds = await nursery.start(partial(http.serve, shutdown_trigger=trio.sleep_forever))
         try:
-            yield Server(binds[0], pool, app, store, metrics, clock, records)
+            yield Server(binds[0], pool, app, store, metrics, clock, records, http)
         finally:
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # the HTTP server closes what is still open
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,10 +19,22 @@ import pytest
 import trio
 from PIL import Image
 
+from omni_trio.config import EngineConfig
 from omni_trio.errors import WorkerError
 from omni_trio.models.echo import decode_echo_image
-from omni_trio.serve.app import ImagesApp, is_valid_request_id
+from omni_trio.serve.app import (
+    RESPONSE_BYTES_PER_IMAGE,
+    RESPONSE_BYTES_PER_PIXEL,
+    ImagesApp,
+    is_valid_request_id,
+    logger_sink,
+)
+from omni_trio.serve.config import MIB
+from omni_trio.serve.daemon import TextFormatter
+from omni_trio.serve.http import SEND_DEADLINE, SendDeadline
 from omni_trio.serve.images import ImageStore, ServeLimits
+from omni_trio.serve.metrics import ServeMetrics
+from omni_trio.serve.pool import EnginePool
 from tests.fakes import ScriptedModel, register_models
 from tests.serve.conftest import (
     CAP_S,
@@ -34,6 +47,8 @@ from tests.serve.conftest import (
     run_server,
     wait_until,
 )
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 GEN = "/v1/images/generations"
 LONG = 200  # steps: ~4 s with echo's step delay; every test that starts one ends it early
@@ -146,6 +161,28 @@ async def test_url_responses_are_served_from_the_store_until_they_expire(
             )
 
 
+async def test_file_urls_never_come_from_the_host_header(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            r = await generate(client, response_format="url", headers={"Host": "evil.example"})
+        assert r.status_code == 200, r.text
+        url = r.json()["data"][0]["url"]
+        assert url.startswith(f"{server.url}/v1/files/file-"), url
+        assert "evil" not in url
+
+
+async def test_file_urls_are_built_from_public_url() -> None:
+    with trio.fail_after(CAP_S):
+        options = {"public_url": "https://images.example.com/omni/"}
+        async with run_server(app_options=options) as server, server.client() as client:
+            r = await generate(client, response_format="url", headers={"Host": "evil.example"})
+            assert r.status_code == 200, r.text
+            url = r.json()["data"][0]["url"]
+            assert url.startswith("https://images.example.com/omni/v1/files/file-"), url
+            path = url.removeprefix("https://images.example.com/omni")
+            assert (await client.get(path)).status_code == 200
+
+
 async def test_the_openai_sdk_generates_and_reads_our_errors(server: Server) -> None:
     def call() -> dict[str, Any]:
         with openai.OpenAI(
@@ -171,7 +208,11 @@ async def test_the_openai_sdk_generates_and_reads_our_errors(server: Server) -> 
     result = out["result"].to_dict()
     assert result["output_format"] == "png" and result["seed"] == 3
     (item,) = out["result"].data
-    assert decode_b64(item.b64_json)[1] == (result["id"], 3, 0)
+    # The SDK sends its key as a bearer token; without server keys that is a client token,
+    # and the engine runs the request under its id scoped to that token's owner tag.
+    engine_id, seed, index = decode_b64(item.b64_json)[1]
+    assert engine_id.partition("@")[::2] == (result["id"], engine_id.rpartition("@")[2])
+    assert (seed, index) == (3, 0) and "@" in engine_id
     bad = out["bad"]
     assert bad.status_code == 400
     assert bad.body["param"] == "num_inference_steps"
@@ -206,6 +247,31 @@ async def test_a_prompt_that_cannot_be_encoded_is_a_400_and_harms_nothing(backen
             assert ok.status_code == 200
             assert decode_b64(ok.json()["data"][0]["b64_json"])[1][0] == "after"
             assert server.engine().health().restarts == 0
+
+
+async def test_a_request_over_the_compute_budget_is_a_400_with_the_estimate() -> None:
+    """builtin:tiny-sd at 1024x1024 with n=4 took ~137 s per step on 2 cores; measured at
+    warmup, it is refused before it runs, naming the estimate and the limit."""
+    from omni_trio.runtime import calibration
+
+    calibration.forget_measurements()
+    try:
+        with trio.fail_after(CAP_S):
+            async with (
+                run_server(model="builtin:tiny-sd", warmup=True, torch_threads=1) as server,
+                server.client() as client,
+            ):
+                r = await client.post(
+                    GEN, json={"prompt": "a red circle", "size": "1024x1024", "n": 4}
+                )
+                error = assert_envelope(r, 400, param="size")
+                assert error["code"] == "request_too_costly"
+                assert "estimated at" in error["message"] and "max_step_s" in error["message"]
+                assert r.headers.get("x-should-retry") in (None, "false")
+                small = await client.post(GEN, json={"prompt": "a red circle", "size": "64x64"})
+                assert small.status_code == 200
+    finally:
+        calibration.forget_measurements()
 
 
 async def test_a_poison_prompt_is_quarantined_and_the_sdk_does_not_resend_it() -> None:
@@ -331,6 +397,46 @@ async def test_sse_errors_before_the_stream_are_plain_envelopes(stream_server: S
         async with stream_server.client() as client:
             r = await client.post(GEN, json={"prompt": "x", "stream": True, "n": 0})
         assert_envelope(r, 400, param="n")
+
+
+async def test_event_stream_progress_is_the_callers_own_request() -> None:
+    """A client that sends a bearer token (every OpenAI SDK does) gets the progress of its
+    own request, and never that of another owner's request with the same id: here the
+    anonymous ``x`` runs while the token holder's ``x`` waits behind it."""
+    token = {"Authorization": "Bearer sdk-key", "X-Request-Id": "x"}
+    steps = 40
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(app_options={"progress_interval_s": 0.01}) as server,
+            server.client() as client,
+            trio.open_nursery() as nursery,
+        ):
+            answers: dict[str, Any] = {}
+            await start_long(client, nursery, answers, "anon", headers={"X-Request-Id": "x"})
+            await wait_until(lambda: (server.pool.progress("x") or (0, 0))[0] >= 1)
+            got: list[Any] = []
+
+            async def read() -> None:
+                body = {"prompt": "y", "size": "64x64", "num_inference_steps": steps}
+                got.extend(await read_events(client, {**body, "stream": True}, headers=token))
+
+            nursery.start_soon(read)
+            await wait_until(
+                lambda: sum(s.public_id == "x" for s in server.pool._active.values()) == 2
+            )
+            # the token holder's x waits while the anonymous x runs on for 10+ steps (20+
+            # progress ticks of its event stream)
+            seen = (server.pool.progress("x") or (0, 0))[0]
+            await wait_until(lambda: (server.pool.progress("x") or (0, 0))[0] >= seen + 10)
+            assert (await client.delete("/v1/requests/x")).status_code == 200  # anonymous x
+            await wait_until(lambda: bool(got))
+        response, events = got
+        assert response.status_code == 200
+        assert_envelope(answers["anon"], 409, code="request_cancelled")
+        progress = [(d["step"], d["total"]) for n, d in events if n == "image_generation.progress"]
+        assert progress, events
+        assert all(total == steps and 0 <= step <= steps for step, total in progress), progress
+        assert events[-1][0] == "image_generation.completed"
 
 
 # -- cancel, disconnect, timeout ------------------------------------------------------------
@@ -658,6 +764,174 @@ async def test_an_encoded_newline_in_the_url_cannot_forge_a_log_line(server: Ser
     (record,) = [x for x in server.records if x["request_id"] == "forge"]
     assert record["path"].isprintable() and "\n" not in record["path"]
     assert record["path"] == "/nope\\n127.0.0.1 GET /admin 200\\x1b[2J"
+
+
+# -- ownership ------------------------------------------------------------------------------
+
+
+async def start_long(
+    client: httpx.AsyncClient, nursery: trio.Nursery, answers: dict[str, Any], name: str, **kw: Any
+) -> None:
+    async def post() -> None:
+        answers[name] = await generate(client, num_inference_steps=LONG, **kw)
+
+    nursery.start_soon(post)
+
+
+async def test_only_the_key_that_made_a_request_can_see_or_cancel_it() -> None:
+    """Two keys: each may use the same X-Request-Id at once (no 409); GET and DELETE
+    /v1/requests/{id} act on the caller's own request only; another key's -- generated ids
+    included -- is a 404 like an id that never existed."""
+    one, two = {"Authorization": "Bearer k-one"}, {"Authorization": "Bearer k-two"}
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(api_keys=("k-one", "k-two")) as server,
+            server.client() as client,
+            trio.open_nursery() as nursery,
+        ):
+            answers: dict[str, Any] = {}
+            same = {"X-Request-Id": "same"}
+            await start_long(client, nursery, answers, "one", headers={**one, **same})
+            await start_long(client, nursery, answers, "two", headers={**two, **same})
+            await start_long(client, nursery, answers, "gen", headers=one)
+            await wait_until(lambda: server.pool.in_flight == 3)
+            for headers in (one, two):
+                r = await client.get("/v1/requests/same", headers=headers)
+                assert r.status_code == 200, r.text
+                assert r.json()["id"] == "same" and r.json()["object"] == "request"
+                assert r.json()["status"] in ("queued", "running")
+            # the generated id of key one's third request, seen only through the engine
+            engine_ids = {
+                s.engine_request_id for s in server.pool._active.values() if s.public_id != "same"
+            }
+            (generated,) = {e.partition("@")[0] for e in engine_ids}
+            assert all("@" in e for e in engine_ids)  # scoped to key one
+            assert_envelope(
+                await client.delete(f"/v1/requests/{generated}", headers=two),
+                404,
+                code="request_not_found",
+            )
+            assert_envelope(
+                await client.get(f"/v1/requests/{generated}", headers=two),
+                404,
+                code="request_not_found",
+            )
+            assert_envelope(await client.delete("/v1/requests/same"), 401, code="invalid_api_key")
+            # an engine id ("same@<tag>") as a path is nobody's public id: a 404 for the other
+            # key (and for its own, whose public id is "same"); nothing is cancelled
+            sames = [s for s in server.pool._active.values() if s.public_id == "same"]
+            assert len(sames) == 2 and all("@" in s.engine_request_id for s in sames)
+            for stream in sames:
+                for headers in (one, two):
+                    r = await client.delete(
+                        f"/v1/requests/{stream.engine_request_id}", headers=headers
+                    )
+                    assert_envelope(r, 404, code="request_not_found")
+            assert all(s.abort_reason is None for s in sames)
+            # key two cancels its own "same"; key one's runs on
+            r = await client.delete("/v1/requests/same", headers=two)
+            assert r.status_code == 200 and r.json()["status"] == "cancelled"
+            await wait_until(lambda: "two" in answers)
+            assert_envelope(answers["two"], 409, code="request_cancelled")
+            assert (await client.get("/v1/requests/same", headers=one)).json()["status"] in (
+                "queued",
+                "running",
+            )
+            assert (await client.get("/v1/requests/same", headers=two)).json()["status"] == (
+                "finished"
+            )
+            for rid in ("same", generated):
+                assert (await client.delete(f"/v1/requests/{rid}", headers=one)).status_code == 200
+        assert_envelope(answers["one"], 409, code="request_cancelled")
+        assert answers["one"].headers["x-request-id"] == "same"
+        assert answers["gen"].headers["x-request-id"] == generated
+        owners = {r["owner"] for r in server.records if r["route"] == GEN}
+        assert len(owners) == 2  # the access records say whose request it was, as a tag
+        assert not any("k-one" in str(r) or "k-two" in str(r) for r in server.records)
+
+
+async def test_without_keys_the_client_token_owns_its_requests(server: Server) -> None:
+    """No API key configured: the bearer token a client sends (the OpenAI SDKs always send
+    one) is its client token; clients without a token share the anonymous owner."""
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    with trio.fail_after(CAP_S):
+        async with server.client() as client, trio.open_nursery() as nursery:
+            answers: dict[str, Any] = {}
+            await start_long(client, nursery, answers, "a", headers={**alice, "X-Request-Id": "r"})
+            await start_long(client, nursery, answers, "anon", headers={"X-Request-Id": "r"})
+            await wait_until(lambda: server.pool.in_flight == 2)
+            for headers in (bob, {"Authorization": "Bearer alice2"}):
+                assert_envelope(
+                    await client.delete("/v1/requests/r", headers=headers),
+                    404,
+                    code="request_not_found",
+                )
+            # a path spelling alice's engine id ("r@<her tag>") reaches nothing, neither for
+            # the anonymous owner (whose engine ids are the public ids themselves) nor for bob
+            (alices,) = [s for s in server.pool._active.values() if s.owner]
+            crafted = f"/v1/requests/{alices.engine_request_id}"
+            assert "@" in crafted
+            for headers in ({}, bob):
+                for method in ("DELETE", "GET"):
+                    r = await client.request(method, crafted, headers=headers)
+                    assert_envelope(r, 404, code="request_not_found")
+            assert alices.abort_reason is None
+            # the anonymous "r" and alice's "r" are different requests
+            assert (await client.delete("/v1/requests/r")).status_code == 200
+            await wait_until(lambda: "anon" in answers)
+            assert (await client.get("/v1/requests/r", headers=alice)).json()["status"] in (
+                "queued",
+                "running",
+            )
+            assert (await client.delete("/v1/requests/r", headers=alice)).status_code == 200
+        assert_envelope(answers["a"], 409, code="request_cancelled")
+        assert_envelope(answers["anon"], 409, code="request_cancelled")
+
+
+async def test_request_status_reports_progress(server: Server) -> None:
+    with trio.fail_after(CAP_S):
+        async with server.client() as client, trio.open_nursery() as nursery:
+            answers: dict[str, Any] = {}
+            await start_long(client, nursery, answers, "p", headers={"X-Request-Id": "p"})
+            await wait_until(lambda: (server.pool.progress("p") or (0, 0))[0] >= 2)
+            body = (await client.get("/v1/requests/p")).json()
+            assert body["status"] == "running"
+            assert body["progress"]["total"] == LONG and 2 <= body["progress"]["step"] <= LONG
+            assert (await client.delete("/v1/requests/p")).status_code == 200
+        async with server.client() as client:
+            r = await client.get("/v1/requests/p")
+        expected = {"id": "p", "object": "request", "status": "finished", "progress": None}
+        assert r.json() == expected
+
+
+# -- the access log -------------------------------------------------------------------------
+
+
+def test_the_access_line_prints_the_latency_once_and_probes_while_not_ready_are_debug() -> None:
+    lines: list[tuple[int, str]] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.levelno, TextFormatter().format(record)))
+
+    logger = logging.getLogger("tests.serve.access")
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    handler = Capture()
+    logger.addHandler(handler)
+    try:
+        sink = logger_sink(logger)
+        base = {"request_id": "r1", "method": "GET", "outcome": "ok", "client": "1.2.3.4:5"}
+        sink({**base, "path": GEN, "route": GEN, "status": 200, "ms": 3029.727})
+        sink({**base, "path": "/ready", "route": "/ready", "status": 503, "ms": 0.25})
+        sink({**base, "path": GEN, "route": GEN, "status": 503, "ms": 1.5})
+    finally:
+        logger.removeHandler(handler)
+    (level, text), (ready_level, _), (error_level, _) = lines
+    assert level == logging.INFO and text.count("3029.7") == 1, text
+    assert text.endswith("r1 GET /v1/images/generations -> 200 ok 3029.727ms client=1.2.3.4:5")
+    assert ready_level == logging.DEBUG
+    assert error_level == logging.WARNING
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -1023,7 +1297,8 @@ CORPUS: list[tuple[str, str, str, Any, Any, int, Any, Any]] = [
     ("unknown v1 route", "POST", "/v1/chat/completions", body(), J, 404, None, "unknown_url"),
     ("traversal", "GET", "/v1/files/../../etc/passwd", None, {}, 404, None, ...),
     ("post models", "POST", "/v1/models", body(), J, 405, None, "method_not_allowed"),
-    ("get request", "GET", "/v1/requests/x", None, {}, 405, None, "method_not_allowed"),
+    ("get unknown request", "GET", "/v1/requests/x", None, {}, 404, "id", "request_not_found"),
+    ("put request", "PUT", "/v1/requests/x", None, {}, 405, None, "method_not_allowed"),
     ("delete unknown", "DELETE", "/v1/requests/nobody", None, {}, 404, "id", "request_not_found"),
     ("delete empty id", "DELETE", "/v1/requests/", None, {}, 404, "id", "request_not_found"),
     ("unknown file", "GET", "/v1/files/file-x/content", None, {}, 404, None, "file_not_found"),
@@ -1138,20 +1413,141 @@ async def test_a_corpus_of_hostile_requests_gets_envelopes_and_leaves_the_server
 # -- lifespan -------------------------------------------------------------------------------
 
 
-async def test_lifespan_is_acknowledged() -> None:
-    from omni_trio.config import EngineConfig
-    from omni_trio.serve.metrics import ServeMetrics
-    from omni_trio.serve.pool import EnginePool
-
+def bare_app(**options: Any) -> ImagesApp:
+    """The app without a server or a serving pool (routes that need no engine)."""
     pool = EnginePool(EngineConfig(model=MODEL))
-    app = ImagesApp(
+    return ImagesApp(
         pool,
         model_name=MODEL,
         limits=ServeLimits(),
         api_key=None,
         store=ImageStore(),
         metrics=ServeMetrics(pool),
+        **options,
     )
+
+
+def health_scope(**extensions: Any) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "GET",
+        "path": "/health",
+        "headers": [],
+        "extensions": extensions,
+    }
+
+
+def slow_clients(app: ImagesApp) -> float:
+    value = app.metrics.registry.get_sample_value(
+        "omni_trio_slow_clients_total", {"reason": "send_timeout"}
+    )
+    return value or 0.0
+
+
+async def test_under_another_asgi_server_the_app_bounds_its_own_sends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Without the HTTP server's deadline in the scope, a send that never returns ends the
+    handler after send_timeout_s (virtual time), counted once, by the app."""
+    records: list[dict[str, Any]] = []
+    app = bare_app(send_timeout_s=7.0, log=records.append)
+
+    async def receive() -> dict[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def stuck_send(message: Any) -> None:
+        await trio.sleep_forever()
+
+    start = trio.current_time()
+    await app(health_scope(), receive, stuck_send)
+    assert trio.current_time() - start == pytest.approx(7.0)
+    (record,) = records
+    assert (record["status"], record["outcome"]) == (200, "send_timeout")
+    assert slow_clients(app) == 1.0
+
+
+async def test_under_the_http_server_its_deadline_stops_the_handler_uncounted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With the HTTP server's deadline in the scope, the app never races it (no deadline of
+    its own, however long a send takes): when the server has dropped the connection
+    (``expired``), the handler stops at its next send and the app counts nothing (the server
+    counted the drop)."""
+    records: list[dict[str, Any]] = []
+    app = bare_app(send_timeout_s=1.0, log=records.append)
+    deadline = SendDeadline(1.0)
+    sent: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def dropping_send(message: Any) -> None:
+        sent.append(message["type"])
+        await trio.sleep(5.0)  # the server's business, past the app's own 1 s
+        deadline.expired = True  # the server dropped the connection meanwhile
+
+    start = trio.current_time()
+    await app(health_scope(**{SEND_DEADLINE: deadline}), receive, dropping_send)
+    assert trio.current_time() - start == pytest.approx(5.0)
+    assert sent == ["http.response.start"]  # no body after the drop
+    (record,) = records
+    assert (record["status"], record["outcome"]) == (200, "send_timeout")
+    assert slow_clients(app) == 0.0
+
+
+async def test_a_generation_reserves_its_answer_at_admission() -> None:
+    """max_response_bytes_in_flight counts a generation's estimated answer from admission,
+    not only once its images are encoded: with room for one 1024x1024 answer, a second such
+    generation is refused (429) while the first runs; a size left unset counts the model's
+    default size; everything is released when the requests end."""
+    per_image = 1024 * 1024 * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(app_options={"max_response_bytes_in_flight": per_image + MIB}) as server,
+            server.client() as client,
+        ):
+            responses = server.app.responses
+            async with trio.open_nursery() as nursery:
+                await reserve_and_refuse(server, client, nursery, per_image)
+            await wait_until(lambda: responses.in_flight == 0)  # the 409s written
+            r = await generate(client, size="1024x1024", num_inference_steps=1)
+            assert r.status_code == 200, r.text
+            await wait_until(lambda: responses.in_flight == 0)
+
+
+async def reserve_and_refuse(
+    server: Server, client: httpx.AsyncClient, nursery: trio.Nursery, per_image: int
+) -> None:
+    responses = server.app.responses
+    answers: dict[str, Any] = {}
+    await start_long(
+        client, nursery, answers, "big", size="1024x1024", headers={"X-Request-Id": "b"}
+    )
+    await wait_until(lambda: server.pool.status("b") == "running")
+    assert responses.in_flight == per_image
+    r = await generate(client, size="1024x1024", num_inference_steps=1)
+    error = assert_envelope(r, 429, code="response_memory_full")
+    assert error["type"] == "rate_limit_error" and r.headers["retry-after"] == "2"
+    assert f"max_response_bytes_in_flight={per_image + MIB}" in error["message"]
+    info = server.engine().executor.model_info
+    assert info is not None
+    default = info.default_width * info.default_height
+    assert server.pool.default_size() == (info.default_width, info.default_height)
+    await start_long(
+        client, nursery, answers, "auto", size="auto", n=2, headers={"X-Request-Id": "a"}
+    )
+    await wait_until(lambda: server.pool.status("a") == "queued")
+    expected = 2 * (default * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE)
+    assert responses.in_flight == per_image + expected
+    for rid in ("a", "b"):
+        assert (await client.delete(f"/v1/requests/{rid}")).status_code == 200
+
+
+async def test_lifespan_is_acknowledged() -> None:
+    app = bare_app()
     incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
     sent: list[dict[str, Any]] = []
 

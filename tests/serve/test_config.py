@@ -12,6 +12,7 @@ from omni_trio.config import EngineConfig
 from omni_trio.errors import InvalidConfigError
 from omni_trio.serve.config import (
     API_KEY_ENV,
+    API_KEYS_ENV,
     FLAGS,
     ServeConfig,
     add_serve_arguments,
@@ -46,6 +47,13 @@ def test_defaults() -> None:
     assert config.max_steps == 200
     assert config.url_ttl_s == 600.0
     assert config.url_store_max_bytes == 256 * 1024 * 1024
+    assert config.api_keys == () and config.public_url is None
+    assert config.max_connections == 1000
+    assert config.keep_alive_timeout_s == 5.0
+    assert config.body_read_timeout_s == 30.0
+    assert config.send_timeout_s == 30.0
+    assert config.max_connection_buffer_bytes == 1024 * 1024
+    assert config.max_response_bytes_in_flight == 256 * 1024 * 1024
     assert config.log_format == "text"
     assert config.log_level == "info"
     assert config.engine == EngineConfig()
@@ -56,6 +64,27 @@ def test_defaults() -> None:
 
 def test_api_key_not_in_repr() -> None:
     assert "s3cret" not in repr(ServeConfig(api_key="s3cret"))
+    assert "s3cret" not in repr(ServeConfig(api_keys=("s3cret", "other")))
+
+
+def test_api_keys_from_toml_and_env(tmp_path: Path) -> None:
+    path = write(tmp_path, 'api_keys = ["k1", "k2", "k1"]\n[engine]\nmodel = "builtin:echo"\n')
+    config = ServeConfig.from_toml(path, environ={})
+    assert config.api_keys == ("k1", "k2")  # once each
+    assert config.all_api_keys == ("k1", "k2")
+    config = ServeConfig.from_toml(path, environ={API_KEYS_ENV: " e1, e2 ,", API_KEY_ENV: "k0"})
+    assert config.api_keys == ("e1", "e2")
+    assert config.all_api_keys == ("k0", "e1", "e2")
+    assert not ServeConfig(host="0.0.0.0", api_keys=("k",)).exposed_without_key
+
+
+def test_public_url_is_checked_and_normalised() -> None:
+    assert ServeConfig(public_url="https://x.example/omni/").public_url == "https://x.example/omni"
+    assert ServeConfig(public_url="http://[::1]:8000").public_url == "http://[::1]:8000"
+    for bad in ("ftp://x", "x.example", "https://", "https://u:p@x", "http://x/?q=1", "http://x:y"):
+        with pytest.raises(InvalidConfigError) as info:
+            ServeConfig(public_url=bad)
+        assert info.value.field == "public_url"
 
 
 @pytest.mark.parametrize(
@@ -79,6 +108,17 @@ def test_api_key_not_in_repr() -> None:
         ("max_steps", 0),
         ("url_ttl_s", 0),
         ("url_store_max_bytes", 0),
+        ("api_keys", "one-string"),
+        ("api_keys", ("",)),
+        ("api_keys", ("has space",)),
+        ("public_url", 3),
+        ("max_connections", 0),
+        ("keep_alive_timeout_s", 0),
+        ("body_read_timeout_s", 0),
+        ("body_read_timeout_s", float("inf")),
+        ("send_timeout_s", -1),
+        ("max_connection_buffer_bytes", 1000),
+        ("max_response_bytes_in_flight", 0),
         ("log_format", "xml"),
         ("log_level", "loud"),
         ("engine", 3),
@@ -159,7 +199,9 @@ step_delay_s = 0.5
     assert config.engine.backend == "tractor"
     assert dict(config.engine.model_options) == {"step_delay_s": 0.5}
     # overrides: one engine field changes, the file's others stay
-    config = ServeConfig.from_toml(path, environ={}, port=1, engine={"num_workers": 3})
+    # (3 workers cannot split guidance: cfg_parallel off)
+    overrides = {"num_workers": 3, "cfg_parallel": False}
+    config = ServeConfig.from_toml(path, environ={}, port=1, engine=overrides)
     assert config.port == 1
     assert config.engine.num_workers == 3
     assert config.engine.backend == "tractor"
@@ -246,6 +288,13 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         "--max-steps", "9",
         "--url-ttl", "60",
         "--url-store-max-bytes", "1000",
+        "--public-url", "https://img.example",
+        "--max-connections", "50",
+        "--keep-alive-timeout", "2",
+        "--body-read-timeout", "3",
+        "--send-timeout", "4",
+        "--max-connection-buffer-bytes", "65536",
+        "--max-response-bytes-in-flight", "5000",
         "--log-format", "json",
         "--log-level", "debug",
     )  # fmt: skip
@@ -270,6 +319,11 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
     assert (config.max_queue_len, config.max_body_bytes, config.max_prompt_chars) == (7, 100, 10)
     assert (config.max_n, config.max_pixels, config.max_steps) == (2, 4096, 9)
     assert (config.url_ttl_s, config.url_store_max_bytes) == (60.0, 1000)
+    assert (config.public_url, config.max_connections) == ("https://img.example", 50)
+    assert (config.keep_alive_timeout_s, config.body_read_timeout_s) == (2.0, 3.0)
+    assert config.send_timeout_s == 4.0
+    assert config.max_connection_buffer_bytes == 65536
+    assert config.max_response_bytes_in_flight == 5000
     assert (config.log_format, config.log_level) == ("json", "debug")
 
 
@@ -283,6 +337,7 @@ replicas = 2
 [engine]
 model = "builtin:echo"
 num_workers = 2
+cfg_parallel = false
 [engine.model_options]
 step_delay_s = 0.5
 """,

@@ -11,10 +11,12 @@ reaped in a ``finally``.
 from __future__ import annotations
 
 import base64
+import configparser
 import io
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -31,15 +33,33 @@ import httpx
 import pytest
 import trio
 
+from omni_trio.config import EngineConfig
+from omni_trio.executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
 from omni_trio.executors.inproc import InprocExecutor
+from omni_trio.serve.app import ImagesApp
+from omni_trio.serve.config import ServeConfig
 from omni_trio.serve.daemon import (
+    ABORT_GRACE_S,
     EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_MARGIN_S,
     EXIT_OK,
     EXIT_POOL_DIED,
+    GRACEFUL_TIMEOUT_S,
+    SHUTDOWN_GRACE_S,
+    ExitDeadline,
     JsonFormatter,
     TextFormatter,
+    _Daemon,
     add_serve_parser,
+    descendant_pids,
+    engine_close_bound_s,
+    shutdown_bound_s,
 )
+from omni_trio.serve.http import FD_RESERVE
+from omni_trio.serve.notify import SystemdNotifier
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0  # first start builds nothing for builtin:echo, but imports torch
@@ -402,9 +422,15 @@ def test_ready_is_503_during_warmup_then_200(start_daemon: Callable[..., Daemon]
         assert "retry-after" in early.headers
         assert client.get("/health").status_code == 200
     seen = daemon.wait_ready()
-    assert seen[-1] == 200
+    assert seen[-1] == 200 and len(seen) > 5
     daemon.signal(signal.SIGINT)  # SIGINT drains like SIGTERM
     assert daemon.wait_exit() == EXIT_OK
+    # Every probe of the warmup was a 503, but the log says so once per change of state
+    # (INFO), not once per probe (it used to be a WARNING each).
+    lines = daemon.stderr.splitlines()
+    assert not [x for x in lines if " WARNING " in x and ("/ready" in x or "not ready" in x)]
+    not_ready = [x for x in lines if "not ready:" in x]
+    assert 1 <= len(not_ready) <= 2 and all(" INFO " in x for x in not_ready), not_ready
 
 
 @pytest.mark.slow
@@ -526,6 +552,311 @@ def test_exposed_without_key_warns(start_daemon: Callable[..., Daemon]) -> None:
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == EXIT_OK
     assert "WITHOUT an API key" in daemon.stderr
+
+
+# -- the shutdown bound -------------------------------------------------------------------------
+
+SUPERVISORS = ROOT / "supervisors"
+
+
+def _stop_seconds(text: str) -> float:
+    match = re.fullmatch(r"(\d+)(s|min)?", text.strip())
+    assert match, text
+    return int(match.group(1)) * (60 if match.group(2) == "min" else 1)
+
+
+def test_the_shutdown_bound_counts_every_wait() -> None:
+    """drain + the engine's close, every wait of it by backend (inproc: the worker's
+    shutdown, the thread's join, the loop's wait for the forward; tractor and ray: ask,
+    terminate, kill, reap) + the fixed grace (abort answers, HTTP stop, exit)."""
+    assert SHUTDOWN_GRACE_S == ABORT_GRACE_S + GRACEFUL_TIMEOUT_S + EXIT_MARGIN_S
+    inproc = EngineConfig(model="m", backend="inproc", close_timeout_s=20.0)
+    assert engine_close_bound_s(inproc) == 3 * 20.0
+    for backend in ("tractor", "ray"):
+        group = inproc.replace(backend=backend)
+        assert engine_close_bound_s(group) == 20.0 + TERMINATE_WAIT_S + 2 * KILL_WAIT_S
+    custom = inproc.replace(backend="tests.serve.test_daemon:DyingExecutor")
+    assert engine_close_bound_s(custom) == max(3 * 20.0, 20.0 + TERMINATE_WAIT_S + 2 * KILL_WAIT_S)
+    config = ServeConfig(drain_timeout_s=7.0, engine=inproc)
+    assert shutdown_bound_s(config) == 7.0 + 3 * 20.0 + SHUTDOWN_GRACE_S
+
+
+def test_the_shipped_stop_timeouts_exceed_the_shutdown_bound() -> None:
+    """Each supervisor file's stop timeout exceeds the daemon's shutdown bound for the
+    defaults, for the example serve.toml and for the flags the Kubernetes manifest passes,
+    whatever the backend; the systemd unit's LimitNOFILE fits the default connection cap
+    and the daemon's own descriptors."""
+    example = ServeConfig.from_toml(SUPERVISORS / "systemd" / "serve.toml", environ={})
+    configs = [ServeConfig(), example]
+    configs += [c.replace(engine=c.engine.replace(backend="tractor")) for c in configs]
+    bound = max(shutdown_bound_s(c) for c in configs)
+    assert bound == 30 + 3 * 30 + SHUTDOWN_GRACE_S  # inproc, the defaults
+    unit = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(SUPERVISORS / "systemd" / "omni-trio.service")
+    service = unit["Service"]
+    assert _stop_seconds(service["TimeoutStopSec"]) > bound
+    limit = int(service["LimitNOFILE"])
+    assert limit >= max(ServeConfig().max_connections, example.max_connections) + FD_RESERVE
+    supervisord = configparser.ConfigParser(
+        strict=False, interpolation=None, inline_comment_prefixes=(";",)
+    )
+    supervisord.read(SUPERVISORS / "supervisord" / "omni-trio.conf")
+    assert int(supervisord["program:omni-trio"]["stopwaitsecs"]) > bound
+    k8s = (SUPERVISORS / "kubernetes" / "deployment.yaml").read_text()
+    grace = re.search(r"terminationGracePeriodSeconds: (\d+)", k8s)
+    drain = re.search(r"--drain-timeout=([0-9.]+)", k8s)
+    assert grace is not None and drain is not None
+    k8s_config = ServeConfig(drain_timeout_s=float(drain.group(1)))
+    assert int(grace.group(1)) > shutdown_bound_s(k8s_config)
+
+
+def test_the_exit_deadline_ends_the_process_only_if_not_disarmed() -> None:
+    """It kills first, then writes its line, then exits (a logging lock or a full pipe
+    held by the stuck program must not keep the process alive)."""
+    steps: list[str] = []
+    fired = threading.Event()
+
+    def fake_exit(code: int) -> None:
+        steps.append(f"exit {code}")
+        fired.set()
+
+    def kill() -> None:
+        steps.append("kill")
+
+    deadline = ExitDeadline(exit=fake_exit, kill_children=kill, write=steps.append)
+    deadline.arm(0.01, lambda: EXIT_FAILED)
+    assert fired.wait(10.0)
+    deadline.disarm()
+    assert steps[0] == "kill" and steps[2] == f"exit {EXIT_FAILED}" and len(steps) == 3
+    assert "CRITICAL" in steps[1] and "overran its bound of 0.0 s" in steps[1]
+    assert steps[1].endswith("\n")
+    calm = ExitDeadline(exit=fake_exit, kill_children=kill, write=steps.append)
+    calm.arm(3600.0, lambda: EXIT_OK)
+    assert calm.armed
+    calm.disarm()  # joins its thread at once
+    assert not calm.armed and len(steps) == 3
+    calm.arm(0.0, lambda: EXIT_OK)  # disarmed for good
+    assert not calm.armed
+
+
+# A program stuck in its shutdown: it has a child with a child of its own (as the forkserver
+# has the tractor workers), another thread holds the log handler's lock for good, and the
+# main thread blocks on that lock as it logs.
+STUCK_SHUTDOWN = """
+import logging, subprocess, sys, threading, time
+from omni_trio.serve.daemon import ExitDeadline, configure_logging
+configure_logging("json", "info")
+grandchild = "import time; time.sleep(120)"
+child = (
+    "import subprocess, sys, time; "
+    f"g = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+    "print(g.pid, flush=True); time.sleep(120)"
+)
+proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+print(proc.pid, int(proc.stdout.readline()), flush=True)
+held = threading.Event()
+def hold():
+    logging.getLogger().handlers[0].acquire()
+    held.set()
+    time.sleep(120)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+ExitDeadline().arm(0.5, lambda: 1)
+logging.getLogger("omni_trio").critical("never written: the lock is held")
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_a_stuck_shutdown_trips_the_exit_deadline(short_tmp: Path) -> None:
+    """For real, in a subprocess: past the deadline every descendant is killed (the
+    grandchild too), the CRITICAL line reaches stderr although a logging lock is held for
+    good, and the process exits 1 -- within a few seconds of the deadline."""
+    stderr_path = short_tmp / "stuck.log"
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STUCK_SHUTDOWN], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr
+        )
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, stderr_path.read_text()
+        started = time.monotonic()
+        assert proc.wait(timeout=30) == EXIT_FAILED
+        assert time.monotonic() - started < 10
+        text = stderr_path.read_text()
+        (line,) = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+        assert line["level"] == "critical" and "overran its bound of 0.5 s" in line["msg"]
+        assert "never written" not in text
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_descendants_are_found_below_children() -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(g.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        found = descendant_pids()
+        assert child.pid in found and grandchild in found
+        assert found.index(child.pid) < found.index(grandchild)  # nearest first
+        assert descendant_pids(grandchild) == []
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        if _alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+class ScriptedPool:
+    """readiness() by virtual time: (until, value) steps."""
+
+    def __init__(self, steps: list[tuple[float, tuple[bool, str | None]]]) -> None:
+        self.steps = steps
+
+    def readiness(self) -> tuple[bool, str | None]:
+        now = trio.current_time()
+        return next(value for until, value in self.steps if now < until)
+
+
+async def test_readiness_changes_are_logged_once_each(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = _Daemon(ServeConfig(), SystemdNotifier(None), None, io.StringIO())
+    daemon.deadline = ExitDeadline(exit=lambda code: None, kill_children=lambda: None)
+    pool = ScriptedPool(
+        [
+            (3.5, (False, "replica 0: starting")),
+            (6.0, (True, None)),
+            (8.0, (False, "replica 0: restarting (last failure: boom)")),
+            (float("inf"), (True, None)),
+        ]
+    )
+    caplog.set_level(logging.DEBUG, logger="omni_trio.serve.daemon")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(daemon._report_status, pool)
+        await trio.sleep(3.0)
+        daemon.pool_ready.set()  # what run() does once the pool is up
+        await trio.sleep(7.0)
+        daemon._request_stop(EXIT_OK, "test over")
+    daemon.deadline.disarm()
+    records = [r for r in caplog.records if r.name == "omni_trio.serve.daemon"]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        ("INFO", "not ready: replica 0: starting"),
+        ("INFO", "not ready: replica 0: restarting (last failure: boom)"),
+        ("INFO", "ready again: all replicas healthy"),
+    ]
+
+
+class CapturingDaemon(_Daemon):
+    """The daemon run in this process, with its app kept for the test and an exit deadline
+    that records instead of ending the test run."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.exits: list[int] = []
+        deadline = ExitDeadline(exit=self.exits.append, kill_children=lambda: None)
+        super().__init__(config, SystemdNotifier(None), None, io.StringIO(), deadline)
+        self.app: ImagesApp | None = None
+
+    def _build_app(self, pool: Any) -> ImagesApp:
+        self.app = super()._build_app(pool)
+        return self.app
+
+
+async def test_sigterm_ends_within_the_bound_despite_a_stalled_reader_and_a_long_step() -> None:
+    """A client that stopped reading a 32 MiB download (its send timeout far away) and a
+    request in a 2 s denoising step: SIGTERM still ends the daemon, exit 0, within what its
+    waits add up to here -- the drain, the stalled connection's graceful timeout and the
+    engine's close -- plus a second, and the exit deadline stays armed (for the interpreter's
+    teardown) until its owner disarms it.  (The HTTP server used to wait for that shielded
+    write for ever.)"""
+    big = 32 * 1024 * 1024
+    config = ServeConfig(
+        port=0,
+        drain_timeout_s=0.5,
+        send_timeout_s=1000.0,
+        engine=EngineConfig(
+            model="builtin:echo",
+            warmup=False,
+            close_timeout_s=0.5,
+            model_options={"step_delay_s": 2.0},
+        ),
+    )
+    daemon = CapturingDaemon(config)
+    signals_in, signals_out = trio.open_memory_channel[int](1)
+    codes: list[int] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                codes.append(await daemon.run(signals_out))
+
+            nursery.start_soon(run)
+            await daemon.pool_ready.wait()
+            app = daemon.app
+            assert app is not None
+            host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+            file_id = app.store.put(b"\0" * big, "image/png")
+            sock = trio.socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await sock.connect((host, int(port)))
+            stalled = trio.SocketStream(sock)
+            await stalled.send_all(
+                f"GET /v1/files/{file_id}/content HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+            )
+            answers: list[httpx.Response] = []
+
+            async def generate_long() -> None:
+                async with httpx.AsyncClient(base_url=daemon.url, timeout=30) as client:
+                    body = {"prompt": "x", "size": "64x64", "num_inference_steps": 2}
+                    answers.append(await client.post("/v1/images/generations", json=body))
+
+            nursery.start_soon(generate_long)
+            while app.responses.in_flight < big or app.pool.in_flight < 1:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            started = trio.current_time()
+            await signals_in.send(signal.SIGTERM)
+        elapsed = trio.current_time() - started
+    await stalled.aclose()
+    assert daemon.deadline.armed  # run() leaves it to its owner
+    daemon.deadline.disarm()
+    assert codes == [EXIT_OK] and daemon.exits == []
+    waits = config.drain_timeout_s + GRACEFUL_TIMEOUT_S + engine_close_bound_s(config.engine)
+    assert config.drain_timeout_s + GRACEFUL_TIMEOUT_S <= elapsed < waits + 1.0, elapsed
+    assert waits + 1.0 < shutdown_bound_s(config)
+    (answer,) = answers
+    assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
 
 
 def test_serve_parser_registered() -> None:

@@ -71,6 +71,22 @@ def test_counters_and_histograms() -> None:
     assert CONTENT_TYPE.startswith("text/plain")
 
 
+def test_slow_client_and_connection_metrics() -> None:
+    m = ServeMetrics()
+    m.connections.set(3)
+    m.observe_connection_refused()
+    m.observe_slow_client("send_timeout")
+    m.observe_slow_client("body_timeout")
+    m.observe_slow_client("body_timeout")
+    m.response_bytes_in_flight.set_function(lambda: 12345)
+    s = samples(m)
+    assert s[("omni_trio_connections", ())] == 3
+    assert s[("omni_trio_connections_refused_total", ())] == 1
+    assert s[("omni_trio_slow_clients_total", (("reason", "send_timeout"),))] == 1
+    assert s[("omni_trio_slow_clients_total", (("reason", "body_timeout"),))] == 2
+    assert s[("omni_trio_response_bytes_in_flight", ())] == 12345
+
+
 def test_each_server_has_its_own_registry() -> None:
     a, b = ServeMetrics(), ServeMetrics()
     a.observe_request("/health", 200)

@@ -32,6 +32,7 @@ from omni_trio.serve.pool import (
     NotReadyError,
     QueueFullError,
     Submission,
+    engine_request_id,
     new_request_id,
 )
 from omni_trio.supervisor import RestartPolicy
@@ -99,6 +100,7 @@ def test_not_ready_before_serving() -> None:
     with pytest.raises(NotReadyError):
         pool.submit("x", SHORT)
     assert [r["state"] for r in pool.replicas_info()] == ["starting"]
+    assert pool.default_size() is None  # no model loaded yet
 
 
 async def test_every_replica_opens_before_ready_and_serves() -> None:
@@ -119,9 +121,13 @@ async def test_every_replica_opens_before_ready_and_serves() -> None:
                 (1, "ready", True, 0),
             ]
             assert info[0]["statistics"]["waiting"] == 0
+            assert pool.default_size() == (64, 64)  # builtin:echo's default size
             sub = pool.submit("x", SHORT.replace(seed=11), request_id="one")
             assert (sub.request_id, sub.replica, sub.seed) == ("one", 0, 11)
             assert pool.in_flight == 1
+            engine = pool.replica_engine(0)
+            assert engine is not None and engine.status("one") is RequestStatus.WAITING
+            assert engine.status("nobody") is None
             out = await final_of(sub)
             assert out.status is RequestStatus.FINISHED_COMPLETED
             assert decode_echo_image(out.images[0]) == ("one", 11, 0)
@@ -169,6 +175,46 @@ async def test_request_ids_are_unique_across_replicas() -> None:
             again = pool.submit("x", SHORT, request_id="same")  # reusable once ended
             assert (await final_of(again)).status is RequestStatus.FINISHED_COMPLETED
             assert pool.abort("same") == "finished"
+
+
+async def test_ids_are_scoped_per_owner() -> None:
+    """Two owners may hold the same public id at once; the engine runs each under its own
+    id (``public@owner``; the anonymous owner's is the public id); every lookup by another
+    owner finds nothing."""
+    assert engine_request_id("r", "") == "r"
+    assert engine_request_id("r", "tag") == "r@tag"
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config())) as pool:
+            anonymous = pool.submit("x", SHORT, request_id="r")
+            mine = pool.submit("x", LONG, request_id="r", owner="aaaa")
+            theirs = pool.submit("x", LONG, request_id="r", owner="bbbb")
+            with pytest.raises(DuplicateRequestError):
+                pool.submit("x", LONG, request_id="r", owner="aaaa")
+            assert (mine.request_id, theirs.request_id) == ("r", "r")
+            assert mine.stream.engine_request_id == "r@aaaa"
+            assert anonymous.stream.engine_request_id == "r"
+            out = await final_of(anonymous)
+            assert decode_echo_image(out.images[0])[0] == "r"
+            assert pool.status("r", owner="bbbb") == "queued"  # behind "r@aaaa"
+            await wait_until(lambda: pool.progress("r", owner="aaaa") is not None)
+            assert pool.status("r", owner="aaaa") == "running"
+            assert pool.status("r", owner="cccc") is None
+            assert pool.progress("r", owner="cccc") is None
+            assert pool.abort("r", owner="cccc") == "unknown"
+            # a public id spelling another owner's engine id reaches nothing
+            assert pool.abort("r@aaaa") == "unknown"
+            assert pool.status("r@aaaa") is None and pool.progress("r@aaaa") is None
+            assert pool.abort("r", owner="bbbb") == "aborted"
+            assert (await final_of(theirs)).status is RequestStatus.FINISHED_ABORTED
+            assert pool.status("r", owner="bbbb") == "finished"
+            assert pool.status("r", owner="aaaa") == "running"  # untouched
+            generated = pool.submit("x", LONG, owner="aaaa")
+            assert generated.request_id.startswith("req-")
+            assert pool.abort(generated.request_id) == "unknown"  # anonymous is not aaaa
+            assert pool.abort(generated.request_id, owner="aaaa") == "aborted"
+            assert pool.abort("r", owner="aaaa") == "aborted"
+            await final_of(mine)
+            await final_of(generated)
 
 
 async def test_engine_validation_errors_admit_nothing() -> None:

@@ -21,6 +21,8 @@ from omni_trio.testing.machine import (
     run_engine_machine,
 )
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 
 def test_the_machine_engine_allows_faults_restarts_quickly_and_catches_hangs() -> None:
     config = engine_config_for(MachineOptions(backend="tractor", mode="step"))

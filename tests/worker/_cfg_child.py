@@ -174,6 +174,27 @@ def make_worker(cache_dir: str, rank: int, world_size: int, init_method: str | N
     return worker, progress
 
 
+def listening_addresses() -> list[str]:
+    """The local addresses this process's TCP sockets listen on, from /proc (hex, as the
+    kernel writes them: ``0100007F`` is 127.0.0.1, ``00000000`` every interface)."""
+    fds = Path("/proc/self/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
 def run_rank(rank: int, init_method: str, cache_dir: str, queue: Any) -> None:
     """Child entry point: one rank of the two-rank group; reports ``(rank, ok, payload)``."""
     try:
@@ -184,7 +205,12 @@ def run_rank(rank: int, init_method: str, cache_dir: str, queue: Any) -> None:
             worker.load_model()
             setup_s = time.perf_counter() - started
             results = run_scenarios(worker, progress)
-            results.update(pid=os.getpid(), setup_s=setup_s, describe=worker.describe())
+            results.update(
+                pid=os.getpid(),
+                setup_s=setup_s,
+                describe=worker.describe(),
+                listening=listening_addresses(),
+            )
         finally:
             worker.shutdown()
         queue.put((rank, True, results))

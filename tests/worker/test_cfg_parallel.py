@@ -31,6 +31,8 @@ from omni_trio.worker.cfg_parallel import (
 )
 from tests.worker import _cfg_child as child
 
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
 TOL = 1e-4
 # Both ranks: spawn + import torch/diffusers + load + every wave; about 20 s on 2 vCPUs.
 RANKS_TIMEOUT_S = 120.0
@@ -110,6 +112,19 @@ def test_both_ranks_run_cfg_parallel(alone: dict[str, Any], ranks: dict[int, Any
         assert ranks[rank]["cfg_parallel"] is True
         assert ranks[rank]["describe"]["cfg_parallel"] is True
     assert ranks[0]["pid"] != ranks[1]["pid"]
+
+
+# 127.0.0.1 and ::1 as /proc/net/tcp{,6} write them.
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}
+
+
+@pytest.mark.slow
+def test_every_port_of_the_group_listens_on_loopback_only(ranks: dict[int, Any]) -> None:
+    """Rank 0's torch.distributed store included (torch's own tcp:// init binds it to every
+    interface)."""
+    for rank, report in ranks.items():
+        assert report["listening"], rank  # rank 0's store, gloo's pairs
+        assert set(report["listening"]) <= LOOPBACK_HEX, (rank, report["listening"])
 
 
 @pytest.mark.slow
