@@ -256,6 +256,10 @@ class Supervisor:
 
     ``on_event`` is called synchronously for every :class:`SupervisorEvent`; an exception it
     raises is logged and ignored.  Failures are handled one at a time, in the order they occur.
+    ``excused(error)``, asked once per failure after its ``failed`` event: True when the
+    failure's cause is known and gone (the engine quarantined the request that crashed its
+    workers), so the restart happens at once and does not count against the restart
+    intensity; a crash loop without a known cause still meets the backoff and the limit.
     """
 
     def __init__(
@@ -266,6 +270,7 @@ class Supervisor:
         policy: RestartPolicy = RestartPolicy(),
         name: str = "supervisor",
         on_event: Callable[[SupervisorEvent], None] | None = None,
+        excused: Callable[[Exception | None], bool] | None = None,
     ) -> None:
         names = [spec.name for spec in children]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -276,6 +281,8 @@ class Supervisor:
         self._policy = policy
         self._name = name
         self._on_event = on_event
+        self._excused = excused
+        self._excused_restarts = 0  # made at once, outside the intensity limit
         self._intensity = RestartIntensity(policy)
         self._last_failure: str | None = None
         self._gave_up = False
@@ -284,8 +291,8 @@ class Supervisor:
 
     @property
     def restarts(self) -> int:
-        """Restarts made so far (a one-for-all group restart counts once)."""
-        return self._intensity.total
+        """Restarts made so far (a one-for-all group restart counts once; excused ones too)."""
+        return self._intensity.total + self._excused_restarts
 
     def children(self) -> list[ChildInfo]:
         """A snapshot of every child, in start order."""
@@ -399,20 +406,34 @@ class Supervisor:
         for run in runs:
             await run.done.wait()
 
+    def _is_excused(self, error: Exception | None) -> bool:
+        if self._excused is None or error is None:
+            return False
+        try:
+            return bool(self._excused(error))
+        except Exception:
+            log.exception("%s: excused raised for %r; not excused", self._name, error)
+            return False
+
     async def _restart(self, failed: _Slot, error: Exception | None, group: list[_Slot]) -> None:
         """Restart ``group`` (in start order) after ``failed`` stopped with ``error``.  A child
         that fails while restarting is one more failure, handled the same way."""
+        excused = self._is_excused(error)  # the failure itself; never a failed restart
         while True:
             now = trio.current_time()
-            if not self._intensity.allow(now):
+            if not excused and not self._intensity.allow(now):
                 self._give_up(failed, error)
-            delay = self._policy.backoff(self._intensity.recent(now))
+            delay = 0.0 if excused else self._policy.backoff(self._intensity.recent(now))
             for slot in group:
                 slot.state = ChildState.RESTARTING
             self._emit("restarting", failed, error=error, backoff_s=delay)
             log.info("%s: restarting %s in %g s", self._name, failed.spec.name, delay)
             await trio.sleep(delay)
-            self._intensity.record(trio.current_time())
+            if excused:
+                self._excused_restarts += 1
+            else:
+                self._intensity.record(trio.current_time())
+            excused = False
             for slot in group:
                 slot.restarts += 1
             current = group[0]

@@ -587,3 +587,53 @@ async def test_a_raising_on_event_does_not_break_supervision(
             nursery.cancel_scope.cancel()
     assert kinds == ["started", "failed", "restarting", "started"]
     assert "on_event raised" in caplog.text
+
+
+class FakeQuarantine(RuntimeError):
+    """A failure whose cause the owner knows and has removed (a quarantined request)."""
+
+
+async def test_an_excused_failure_restarts_at_once_and_does_not_count(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    events: list[SupervisorEvent] = []
+    a = FakeChild("a")
+    policy = RestartPolicy(max_restarts=1, window_s=60.0, backoff_s=0.125, backoff_max_s=0.5)
+    supervisor = Supervisor(
+        [a.spec()],
+        policy=policy,
+        on_event=events.append,
+        excused=lambda error: isinstance(error, FakeQuarantine),
+    )
+    with trio.fail_after(CAP_S), pytest.raises(RestartLimitError):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.serve)
+            for n in range(2, 6):  # many more than max_restarts, none counted
+                a.fail(FakeQuarantine("poison"))
+                await a.wait_ready(n)
+            assert [e.backoff_s for e in events if e.kind == "restarting"] == [0.0] * 4
+            assert trio.current_time() == 0.0 and supervisor.restarts == 4
+            # A failure with no known cause still meets the backoff and the limit.
+            a.fail(RuntimeError("boom"))
+            await a.wait_ready(6)
+            assert trio.current_time() == 0.125
+            a.fail(RuntimeError("boom again"))  # the second counted one: past the limit
+    assert supervisor.statistics().gave_up and supervisor.restarts == 5
+
+
+async def test_a_failed_restart_after_an_excused_failure_is_not_excused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    events: list[SupervisorEvent] = []
+    a = FakeChild("a")
+    supervisor = Supervisor(
+        [a.spec()], policy=EXACT, on_event=events.append, excused=lambda e: True
+    )
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.serve)
+            a.start_errors.append(OSError("port in use"))
+            a.fail(FakeQuarantine("poison"))
+            await a.wait_ready(2)
+            assert [e.backoff_s for e in events if e.kind == "restarting"] == [0.0, 0.125]
+            nursery.cancel_scope.cancel()

@@ -234,6 +234,11 @@ class EngineCore:
         self.model_info: ModelInfo | None = None
         # Measured at warmup (the shell's calibration); kept across group restarts.
         self.cost_model: CostModel | None = None
+        # Whether the last failure (of a group, or of a start) had a known cause: every
+        # request in flight was quarantined by it, so it is gone with them (see group_failed).
+        self.failure_attributed = False
+        self._blamed = 0
+        self._spared = 0
         self.group = GroupState.STARTING
         self.generation = 0
         self.closed = False
@@ -856,6 +861,8 @@ class EngineCore:
         The forward in flight is written off.  Its requests and every PACKING request go
         back to the front of the queue while their retry budget lasts, and otherwise end
         FINISHED_ERROR with the retryable ``WorkerFailedError``.  Waiting requests stay.
+        ``failure_attributed`` says afterwards whether every request it took down was
+        quarantined by it (the supervisor then restarts at once, uncounted).
         """
         if self.group is not GroupState.RUNNING:
             return []
@@ -885,8 +892,12 @@ class EngineCore:
         scheduler.forget_worker_state()
         reason = f"the worker group failed while this request ran ({error_type}: {error})"
         # Packing requests ran before the running ones: requeue them last so they end up first.
+        self._blamed = self._spared = 0
         self._requeue_or_fail(scheduler.running_request_ids(), reason, now, out)
         self._requeue_or_fail(packing, reason, now, out)
+        # Attributed: the failure took down only requests it quarantined (each had already
+        # failed a group and ran alone), so restarting at once cannot loop on it.
+        self.failure_attributed = self._blamed > 0 and self._spared == 0
         return out
 
     def start_failed(self, error: str, error_type: str) -> None:
@@ -895,6 +906,7 @@ class EngineCore:
         queue waits for the group that starts."""
         if self.group is GroupState.RESTARTING:
             self.last_failure = f"{error_type}: {error}"
+            self.failure_attributed = False
 
     def _requeue_or_fail(
         self, request_ids: Sequence[str], reason: str, now: float, out: list[Instruction]
@@ -918,7 +930,10 @@ class EngineCore:
                     f"times it ran, so it is not run again (the last: {reason})"
                 )
                 failed.append((rid, message, QUARANTINED))
-            elif state.num_retries < budget and self.accepting:
+                self._blamed += 1
+                continue
+            self._spared += 1
+            if state.num_retries < budget and self.accepting:
                 state.num_retries += 1
                 self._requeued += 1
                 self.scheduler.preempt_request(rid, reset_progress=True)

@@ -202,6 +202,7 @@ class AsyncEngine:
             restarting=lambda: None,  # the supervisor counts them (WorkerGroup.restarts)
             gave_up=self._die,
             wanted=lambda: self.core.accepting,
+            attributed=lambda: self.core.failure_attributed,
         )
 
     def _group_started(self, executor: Executor) -> None:

@@ -34,7 +34,9 @@ class GroupEvents:
     ``failed(error)`` the current group failed closed or ended (what the supervisor saw);
     ``restarting()`` a restart is scheduled (its backoff begins);
     ``gave_up(error)`` past the restart limit: no group will come;
-    ``wanted()`` whether a failed group is to be replaced (False while the owner closes).
+    ``wanted()`` whether a failed group is to be replaced (False while the owner closes);
+    ``attributed()`` whether the failure just reported had a known cause that is gone (the
+    supervisor then restarts at once, uncounted; see ``Supervisor(excused=...)``).
     """
 
     started: Callable[[Executor], None]
@@ -42,6 +44,7 @@ class GroupEvents:
     restarting: Callable[[], None]
     gave_up: Callable[[RestartLimitError], None]
     wanted: Callable[[], bool]
+    attributed: Callable[[], bool] = lambda: False
 
 
 def restart_policy(config: EngineConfig) -> RestartPolicy:
@@ -66,6 +69,7 @@ class WorkerGroup:
             policy=restart_policy(config),
             name="engine",
             on_event=self._on_event,
+            excused=lambda error: self._events.attributed(),
         )
 
     @property

@@ -404,6 +404,32 @@ def test_a_request_its_group_failed_under_twice_is_quarantined(budget: int) -> N
     assert_clean(core, trace)
 
 
+def test_only_a_failure_that_quarantines_all_it_took_down_is_attributed() -> None:
+    """The supervisor restarts at once, uncounted, after an attributed failure: one whose
+    every victim it quarantined (a poison request running alone).  A first crash, a crash
+    that also took an innocent request, an idle crash, and a failed start are not."""
+    core, trace = make(max_retries_on_worker_failure=1, max_num_seqs=2)
+    core.group_failed("idle", "WorkerError", 1.0)  # nothing ran
+    assert not core.failure_attributed
+    core.group_started(INFO, 1.5)
+    admit(core, "poison")
+    admit(core, "b")
+    schedule(core, 2.0)
+    core.group_failed("died", "WorkerError", 2.0)  # first crash of both: requeued
+    assert not core.failure_attributed
+    core.group_started(INFO, 3.0)
+    assert schedule(core, 3.0).scheduled_request_ids == ("poison",)
+    core.group_failed("died", "WorkerError", 4.0)  # alone, second time: quarantined
+    assert core.failure_attributed
+    core.start_failed("worker died while starting", "WorkerError")
+    assert not core.failure_attributed
+    core.group_started(INFO, 5.0)
+    out = schedule(core, 5.0)
+    assert out.scheduled_request_ids == ("b",)
+    assert terminals(core.runner_output(out, result(RunnerOutput("b", images=["i"])), 6.0))
+    assert_clean(core, trace)
+
+
 @pytest.mark.parametrize("step_execution", [False, True])
 def test_the_survivors_of_a_failed_group_run_alone(step_execution: bool) -> None:
     """A poison request fused with innocent ones takes them down once; from then on each
