@@ -152,6 +152,13 @@ def _add_engine_options(
         "(default: 1)",
     )
     group.add_argument(
+        "--cfg-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with 2 workers, split each guidance step between them; --no-cfg-parallel makes "
+        "every worker run the whole wave (any worker count) (default: on)",
+    )
+    group.add_argument(
         "--max-num-seqs",
         type=positive_int,
         default=None,
@@ -539,6 +546,7 @@ def _engine_config(
         ("threads", "torch_threads"),
         ("cache_dir", "cache_dir"),
         ("device", "device"),
+        ("cfg_parallel", "cfg_parallel"),
     ):
         value = getattr(args, dest, None)
         if isinstance(value, _CommandDefault):

@@ -20,6 +20,7 @@ from PIL import Image
 
 from omni_trio import cli
 from omni_trio.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from omni_trio.errors import InvalidConfigError
 from omni_trio.models import decode_echo_image
 from omni_trio.models.shapes import SHAPES
 from tests.fakes import ScriptedModel, register_models
@@ -903,3 +904,16 @@ def test_serve_with_an_unknown_model_is_one_line_before_anything_listens(
         assert main(["serve", "--model", model]) == EXIT_USAGE
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_no_cfg_parallel_lets_more_than_two_workers_be_replicas() -> None:
+    args = cli.build_parser().parse_args(
+        ["generate", "x", "--workers", "3", "--backend", "tractor", "--no-cfg-parallel"]
+    )
+    config = cli._engine_config(args, defaults={})
+    assert (config.num_workers, config.cfg_parallel) == (3, False)
+    args = cli.build_parser().parse_args(["generate", "x", "--workers", "3"])
+    with pytest.raises(InvalidConfigError, match="cfg_parallel"):
+        cli._engine_config(args, defaults={})
+    default = cli.build_parser().parse_args(["generate", "x"])
+    assert cli._engine_config(default, defaults={}).cfg_parallel is True
