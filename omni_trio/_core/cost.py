@@ -130,7 +130,7 @@ class CostModel:
 
 
 def probe_sides(start: int, stop: int) -> list[int]:
-    """Probe sizes from ``start`` doubling up to ``stop`` (both multiples of 8 kept as
+    """Probe sizes from ``start`` doubling up to ``stop``, then ``stop`` itself (both as
     given); the caller stops early once a step is compute bound (:data:`PROBE_ENOUGH_S`)."""
     sides = []
     side = max(8, start)
@@ -139,8 +139,8 @@ def probe_sides(start: int, stop: int) -> list[int]:
         sides.append(side)
         side *= 2
     if sides[-1] < stop:
-        sides.append(stop // 8 * 8 if stop >= 8 else stop)
-    return sorted(set(sides))
+        sides.append(stop)
+    return sides
 
 
 def probe_from_timings(

@@ -38,6 +38,7 @@ from ..errors import OmniTrioError
 if TYPE_CHECKING:
     from .._core.engine_core import EngineCore
     from .._core.messages import DiffusionOutput
+    from .._core.model_info import ModelInfo
     from ..config import EngineConfig
     from ..executors.base import Executor
 
@@ -101,9 +102,7 @@ async def calibrate(engine: _Engine) -> CostModel | None:
     cost = _MEASURED.get(key)
     if cost is None:
         started = trio.current_time()
-        probes = await _probe(
-            engine, info.fixed_size, info.default_height, info.min_side, info.max_side
-        )
+        probes = await _probe(engine, info)
         if not probes:
             log.warning("could not measure %s: no compute budget applies", config.model)
             return None
@@ -124,19 +123,13 @@ async def calibrate(engine: _Engine) -> CostModel | None:
     return cost
 
 
-async def _probe(
-    engine: _Engine,
-    fixed_size: bool | None,
-    default_side: int,
-    min_side: int,
-    max_side: int | None,
-) -> list[CostProbe]:
+async def _probe(engine: _Engine, info: ModelInfo) -> list[CostProbe]:
     config = engine.config
-    if fixed_size:
+    if info.fixed_size:
         sides: list[int | None] = [None]
     else:
-        limit = min(math.isqrt(config.max_pixels), max_side or PROBE_MAX_SIDE)
-        start = max(min_side, min(64, default_side))
+        limit = min(math.isqrt(config.max_pixels), info.max_side or PROBE_MAX_SIDE)
+        start = max(info.min_side, min(64, info.default_height))
         sides = list(probe_sides(start, limit))
     probes: list[CostProbe] = []
     started = trio.current_time()
@@ -150,7 +143,7 @@ async def _probe(
             log.info("calibration probe at %s px failed (%s): probing stops", side, exc)
             break
         metrics = output.metrics
-        actual = side if side is not None else default_side
+        actual = side if side is not None else info.default_height
         probe = probe_from_timings(actual, PROBE_STEPS, metrics.step_ms, metrics.execution_ms)
         probes.append(probe)
         if probe.step_s >= PROBE_ENOUGH_S or trio.current_time() - started >= PROBE_BUDGET_S:
