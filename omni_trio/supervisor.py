@@ -257,9 +257,11 @@ class Supervisor:
     ``on_event`` is called synchronously for every :class:`SupervisorEvent`; an exception it
     raises is logged and ignored.  Failures are handled one at a time, in the order they occur.
     ``excused(error)``, asked once per failure after its ``failed`` event: True when the
-    failure's cause is known and gone (the engine quarantined the request that crashed its
-    workers), so the restart happens at once and does not count against the restart
-    intensity; a crash loop without a known cause still meets the backoff and the limit.
+    failure is not the sign of a crash loop (the engine quarantined the request that crashed
+    its workers, or the workers had completed work since), so the restart happens at once and
+    does not count against the restart intensity; a crash loop (failures with no progress in
+    between) still meets the backoff and the limit.  With ``max_restarts=0`` nothing is
+    excused: no failure is restarted.
     """
 
     def __init__(
@@ -407,8 +409,8 @@ class Supervisor:
             await run.done.wait()
 
     def _is_excused(self, error: Exception | None) -> bool:
-        if self._excused is None or error is None:
-            return False
+        if self._excused is None or error is None or self._policy.max_restarts == 0:
+            return False  # max_restarts=0 means no restart at all, excused or not
         try:
             return bool(self._excused(error))
         except Exception:

@@ -637,3 +637,17 @@ async def test_a_failed_restart_after_an_excused_failure_is_not_excused(
             await a.wait_ready(2)
             assert [e.backoff_s for e in events if e.kind == "restarting"] == [0.0, 0.125]
             nursery.cancel_scope.cancel()
+
+
+async def test_with_no_restarts_allowed_an_excused_failure_gives_up_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``max_restarts=0`` means no restart at all: the excuse does not make one."""
+    a = FakeChild("a")
+    policy = RestartPolicy(max_restarts=0, window_s=60.0, backoff_s=0.125, backoff_max_s=0.5)
+    supervisor = Supervisor([a.spec()], policy=policy, excused=lambda error: True)
+    with trio.fail_after(CAP_S), pytest.raises(RestartLimitError):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.serve)
+            a.fail(FakeQuarantine("poison"))
+    assert supervisor.statistics().gave_up and supervisor.restarts == 0

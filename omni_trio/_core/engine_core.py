@@ -234,11 +234,13 @@ class EngineCore:
         self.model_info: ModelInfo | None = None
         # Measured at warmup (the shell's calibration); kept across group restarts.
         self.cost_model: CostModel | None = None
-        # Whether the last failure (of a group, or of a start) had a known cause: every
-        # request in flight was quarantined by it, so it is gone with them (see group_failed).
-        self.failure_attributed = False
+        # Whether the last failure (of a group, or of a start) is excused: not the sign of a
+        # crash loop, so the supervisor restarts at once, uncounted (see group_failed).
+        self.failure_excused = False
         self._blamed = 0
         self._spared = 0
+        # Set when a request completes; spent by a failure it excuses (see group_failed).
+        self._progress_credit = False
         self.group = GroupState.STARTING
         self.generation = 0
         self.closed = False
@@ -861,8 +863,12 @@ class EngineCore:
         The forward in flight is written off.  Its requests and every PACKING request go
         back to the front of the queue while their retry budget lasts, and otherwise end
         FINISHED_ERROR with the retryable ``WorkerFailedError``.  Waiting requests stay.
-        ``failure_attributed`` says afterwards whether every request it took down was
-        quarantined by it (the supervisor then restarts at once, uncounted).
+        ``failure_excused`` says afterwards whether the supervisor may restart at once,
+        uncounted: when the failure took down only requests it quarantined (its cause is
+        gone with them), or when a request has completed since the last failure excused this
+        way (a group that was serving, not a crash loop; every request it took down now runs
+        alone, so a repeat is quarantined).  A group that fails again and again with nothing
+        completed in between still meets the backoff and the restart limit.
         """
         if self.group is not GroupState.RUNNING:
             return []
@@ -896,8 +902,15 @@ class EngineCore:
         self._requeue_or_fail(scheduler.running_request_ids(), reason, now, out)
         self._requeue_or_fail(packing, reason, now, out)
         # Attributed: the failure took down only requests it quarantined (each had already
-        # failed a group and ran alone), so restarting at once cannot loop on it.
-        self.failure_attributed = self._blamed > 0 and self._spared == 0
+        # failed a group and ran alone), so restarting at once cannot loop on it.  Otherwise
+        # a completion since the last failure excused by progress excuses this one, once: a
+        # request-shaped failure costs each request at most two restarts, and progress (not
+        # time) is what a crash loop lacks.
+        attributed = self._blamed > 0 and self._spared == 0
+        after_progress = not attributed and self._progress_credit
+        if after_progress:
+            self._progress_credit = False
+        self.failure_excused = attributed or after_progress
         return out
 
     def start_failed(self, error: str, error_type: str) -> None:
@@ -906,7 +919,7 @@ class EngineCore:
         queue waits for the group that starts."""
         if self.group is GroupState.RESTARTING:
             self.last_failure = f"{error_type}: {error}"
-            self.failure_attributed = False
+            self.failure_excused = False
 
     def _requeue_or_fail(
         self, request_ids: Sequence[str], reason: str, now: float, out: list[Instruction]
@@ -1013,6 +1026,8 @@ class EngineCore:
         if entry.counted:
             self._finished_counts[status] += 1
         completed = status is _S.FINISHED_COMPLETED
+        if completed:
+            self._progress_credit = True
         images: tuple[Any, ...] = ()
         if completed and runner is not None and runner.images:
             images = runner.images

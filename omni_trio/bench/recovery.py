@@ -278,8 +278,12 @@ def _kill_worker(engine: AsyncEngine) -> int:
 
 
 async def _wait_healthy(engine: AsyncEngine, timeout: float) -> None:
+    """Until ``engine`` is healthy; raises EngineDeadError at once if it is dead (past its
+    restart limit, it never will be) and trio.TooSlowError after ``timeout``."""
     with trio.fail_after(timeout):
-        while not engine.health().healthy:  # noqa: ASYNC110 - health is a snapshot, no event
+        while not engine.health().healthy:  # health is a snapshot, no event to wait on
+            if engine.is_dead:
+                engine.check_health()  # raises EngineDeadError, with the reason
             await trio.sleep(0.01)
 
 
@@ -513,6 +517,9 @@ async def _poison_part(args: argparse.Namespace, report: Report, bar: Progress) 
             "fault_crash_on_prompt": POISON_PROMPT,
         },
         fault_injection=True,
+        # The shipped restart limits, not the bench's: a storm must not use them up.
+        max_worker_restarts=EngineConfig().max_worker_restarts,
+        worker_restart_window_s=EngineConfig().worker_restart_window_s,
     )
     poisons = _Poisons()
     started = time.perf_counter()
@@ -544,9 +551,13 @@ async def _poison_part(args: argparse.Namespace, report: Report, bar: Progress) 
                     bar.advance()
                     await trio.sleep(args.poison_every_s)
                 load.stopping = True  # the poisons in flight still end on their own
-            with trio.fail_after(600.0):
+            try:
                 await _wait_healthy(engine, 600.0)
+            except EngineDeadError:
+                pass  # reported below
         stats = engine.statistics()
+        survived = not engine.is_dead
+    alive = "yes" if survived else "no"
     bystanders = load.completed + load.failed_retryable + load.quarantined + len(load.lost)
     rate = load.completed / bystanders if bystanders else 0.0
     report.results["poison"] = {
@@ -558,6 +569,7 @@ async def _poison_part(args: argparse.Namespace, report: Report, bar: Progress) 
         "bystanders_completed": load.completed,
         "bystander_success_rate": round(rate, 4),
         "restarts": stats.restarts,
+        "engine_survived": survived,
     }
     rows = [
         ("poison requests sent", poisons.sent, "-", "-"),
@@ -575,6 +587,7 @@ async def _poison_part(args: argparse.Namespace, report: Report, bar: Progress) 
             "yes" if rate >= TARGET_BYSTANDER_SUCCESS else "NO",
         ),
         ("worker restarts", stats.restarts, "-", "-"),
+        ("engine alive at the end", alive, "yes", "yes" if survived else "NO"),
     ]
     for figure, value, target, met in rows:
         report.rows.append(

@@ -104,6 +104,9 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._ended = trio.Event()  # set when the engine died or closed
         self._executor: Executor | None = None
+        # Whether the supervisor's next ``failed`` event is the running group's (it reported
+        # started since the last one) rather than a restart's failed start.
+        self._group_up = False
         self._group: WorkerGroup | None = None
         self._warming = False  # warmup traffic is nobody's request: kept out of statistics
         self._ignored_warned: set[str] = set()
@@ -202,7 +205,7 @@ class AsyncEngine:
             restarting=lambda: None,  # the supervisor counts them (WorkerGroup.restarts)
             gave_up=self._die,
             wanted=lambda: self.core.accepting,
-            attributed=lambda: self.core.failure_attributed,
+            excused=lambda: self.core.failure_excused,
         )
 
     def _group_started(self, executor: Executor) -> None:
@@ -211,6 +214,7 @@ class AsyncEngine:
         if old is not None and executor.model_info not in (None, old):
             log.warning("the restarted worker group reports different model info")
         self._executor = executor
+        self._group_up = True
         self.core.group_started(executor.model_info, trio.current_time())
         if self.core.generation > 1:
             log.warning("worker group restarted (generation %d)", self.core.generation)
@@ -219,6 +223,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _group_failed(self, error: BaseException | None) -> None:
+        was_up, self._group_up = self._group_up, False
         self._observe_group()
         if self.core.group is GroupState.RUNNING and self.core.accepting:
             # The group ended without failing closed (a backend bug): the same thing.
@@ -227,9 +232,10 @@ class AsyncEngine:
                 self.core.group_failed(str(error), type(error).__name__, trio.current_time()),
                 self._executor,
             )
-        elif error is not None and self.core.group is GroupState.RESTARTING:
+        elif not was_up and error is not None and self.core.group is GroupState.RESTARTING:
             # A restart's start failed (a worker died or hung while starting): health says
-            # so while the supervisor tries again.
+            # so while the supervisor tries again.  (The running group's own failure, which
+            # the core may have seen first through _observe_group, is not one.)
             self.core.start_failed(str(error), type(error).__name__)
 
     def _observe_group(self) -> None:

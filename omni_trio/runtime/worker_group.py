@@ -35,8 +35,9 @@ class GroupEvents:
     ``restarting()`` a restart is scheduled (its backoff begins);
     ``gave_up(error)`` past the restart limit: no group will come;
     ``wanted()`` whether a failed group is to be replaced (False while the owner closes);
-    ``attributed()`` whether the failure just reported had a known cause that is gone (the
-    supervisor then restarts at once, uncounted; see ``Supervisor(excused=...)``).
+    ``excused()`` whether the failure just reported is not the sign of a crash loop (its
+    cause was quarantined, or the group was serving): the supervisor then restarts at once,
+    uncounted; see ``Supervisor(excused=...)`` and ``EngineCore.failure_excused``.
     """
 
     started: Callable[[Executor], None]
@@ -44,7 +45,7 @@ class GroupEvents:
     restarting: Callable[[], None]
     gave_up: Callable[[RestartLimitError], None]
     wanted: Callable[[], bool]
-    attributed: Callable[[], bool] = lambda: False
+    excused: Callable[[], bool] = lambda: False
 
 
 def restart_policy(config: EngineConfig) -> RestartPolicy:
@@ -69,7 +70,7 @@ class WorkerGroup:
             policy=restart_policy(config),
             name="engine",
             on_event=self._on_event,
-            excused=lambda error: self._events.attributed(),
+            excused=lambda error: self._events.excused(),
         )
 
     @property

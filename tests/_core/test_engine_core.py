@@ -404,29 +404,60 @@ def test_a_request_its_group_failed_under_twice_is_quarantined(budget: int) -> N
     assert_clean(core, trace)
 
 
-def test_only_a_failure_that_quarantines_all_it_took_down_is_attributed() -> None:
-    """The supervisor restarts at once, uncounted, after an attributed failure: one whose
-    every victim it quarantined (a poison request running alone).  A first crash, a crash
-    that also took an innocent request, an idle crash, and a failed start are not."""
+def test_a_failure_is_excused_only_with_its_cause_quarantined_or_after_progress() -> None:
+    """The supervisor restarts at once, uncounted, after an excused failure: one whose every
+    victim it quarantined (a poison request running alone), or the first one after a request
+    completed (a serving group, not a crash loop).  A crash with nothing completed since the
+    last failure excused by progress, an idle crash of a group that never served, and a failed
+    start are not excused."""
     core, trace = make(max_retries_on_worker_failure=1, max_num_seqs=2)
-    core.group_failed("idle", "WorkerError", 1.0)  # nothing ran
-    assert not core.failure_attributed
+    core.group_failed("idle", "WorkerError", 1.0)  # nothing ran, nothing completed
+    assert not core.failure_excused
     core.group_started(INFO, 1.5)
     admit(core, "poison")
     admit(core, "b")
     schedule(core, 2.0)
     core.group_failed("died", "WorkerError", 2.0)  # first crash of both: requeued
-    assert not core.failure_attributed
+    assert not core.failure_excused
     core.group_started(INFO, 3.0)
     assert schedule(core, 3.0).scheduled_request_ids == ("poison",)
     core.group_failed("died", "WorkerError", 4.0)  # alone, second time: quarantined
-    assert core.failure_attributed
+    assert core.failure_excused
     core.start_failed("worker died while starting", "WorkerError")
-    assert not core.failure_attributed
+    assert not core.failure_excused
     core.group_started(INFO, 5.0)
     out = schedule(core, 5.0)
     assert out.scheduled_request_ids == ("b",)
     assert terminals(core.runner_output(out, result(RunnerOutput("b", images=["i"])), 6.0))
+    # b completed: the next failure, though it takes down two first-time suspects, is
+    # excused; it spends the credit, so the one after it (nothing completed) is not.
+    admit(core, "poison2")
+    admit(core, "c")
+    assert schedule(core, 7.0).scheduled_request_ids == ("poison2", "c")
+    core.group_failed("died", "WorkerError", 7.5)
+    assert core.failure_excused
+    core.group_started(INFO, 8.0)
+    assert schedule(core, 8.0).scheduled_request_ids == ("poison2",)
+    core.group_failed("died", "WorkerError", 8.5)  # quarantined: excused, spends nothing
+    assert core.failure_excused
+    core.group_started(INFO, 9.0)
+    out = schedule(core, 9.0)
+    assert out.scheduled_request_ids == ("c",)
+    assert terminals(core.runner_output(out, result(RunnerOutput("c", images=["i"])), 9.5))
+    core.group_failed("idle", "WorkerError", 10.0)  # after progress: excused, credit spent
+    assert core.failure_excused
+    core.group_started(INFO, 10.5)
+    admit(core, "d")
+    schedule(core, 11.0)
+    core.group_failed("died", "WorkerError", 11.5)  # nothing completed since: counted
+    assert not core.failure_excused
+    core.group_started(INFO, 12.0)
+    core.group_failed("idle", "WorkerError", 12.5)  # still nothing completed: counted
+    assert not core.failure_excused
+    core.group_started(INFO, 13.0)
+    out = schedule(core, 13.0)
+    assert out.scheduled_request_ids == ("d",)
+    assert terminals(core.runner_output(out, result(RunnerOutput("d", images=["i"])), 13.5))
     assert_clean(core, trace)
 
 

@@ -41,6 +41,7 @@ class CrashScript:
 
     crash_on_forwards: set[int] = field(default_factory=set)  # 1-based, across groups
     crash_every_forward: bool = False
+    crash_on_prefix: str | None = None  # a poison: any forward with such a request id
     fail_starts: set[int] = field(default_factory=set)  # 1-based group numbers
     forwards: int = 0
     groups: list[ScriptedExecutor] = field(default_factory=list)
@@ -63,7 +64,15 @@ def crashing_backend(script: CrashScript) -> type[ScriptedExecutor]:
 
         async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
             script.forwards += 1
-            if script.crash_every_forward or script.forwards in script.crash_on_forwards:
+            poisoned = script.crash_on_prefix is not None and any(
+                rid.startswith(script.crash_on_prefix)
+                for rid in scheduler_output.scheduled_request_ids
+            )
+            if (
+                script.crash_every_forward
+                or poisoned
+                or script.forwards in script.crash_on_forwards
+            ):
                 self.log.append(
                     ("crash", trio.current_time(), scheduler_output.scheduled_request_ids)
                 )
@@ -224,6 +233,63 @@ async def test_a_whole_wave_is_requeued_in_its_order_each_request_alone(
                 async with stream:
                     assert [o.ok async for o in stream] == [True]
             assert script.groups[1].batches == [("w0",), ("w1",), ("w2",)]
+
+
+async def test_a_poison_storm_within_the_default_restart_limit_leaves_the_engine_serving(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Twelve distinct poison requests in a few seconds, with bystanders completing between
+    them, under the shipped limits (5 restarts in 60 s): every poison is quarantined after
+    two crashes, every bystander completes, and no restart waits a backoff, because each
+    failure either quarantined its cause or came after progress.  Before, each poison's first
+    crash counted, so the sixth poison made the engine dead."""
+    script = CrashScript(crash_on_prefix="poison")
+    defaults = EngineConfig()
+    with trio.fail_after(CAP_S):
+        async with supervised_engine(
+            script,
+            max_worker_restarts=defaults.max_worker_restarts,
+            worker_restart_window_s=defaults.worker_restart_window_s,
+        ) as engine:
+            started = trio.current_time()
+            for index in range(12):
+                assert (await engine.generate("p", params(seed=index), request_id=f"b{index}")).ok
+                with pytest.raises(RequestFailedError) as info:
+                    await engine.generate("p", params(), request_id=f"poison{index}")
+                assert info.value.quarantined, info.value
+            await wait_for(lambda: engine.health().healthy)
+            assert (await engine.generate("p", params(), request_id="last")).ok
+            assert trio.current_time() - started < 1.0  # no backoff anywhere
+            assert engine.statistics().restarts == 24 and not engine.is_dead
+
+
+async def test_a_group_that_breaks_after_serving_still_meets_the_restart_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A group that served, then fails on every forward (a broken device): the first failure
+    is excused by the earlier progress, the suspects' second failures quarantine them, but
+    every failure with nothing completed since counts, so the engine still dies at the
+    limit instead of quarantining requests for ever."""
+    script = CrashScript()
+    with trio.fail_after(CAP_S):
+        async with supervised_engine(
+            script, max_worker_restarts=2, max_retries_on_worker_failure=1
+        ) as engine:
+            assert (await engine.generate("p", params(), request_id="served")).ok
+            script.crash_every_forward = True
+            outcomes: list[str] = []
+            for index in range(10):
+                try:
+                    await engine.generate("p", params(), request_id=f"r{index}")
+                except RequestFailedError as exc:
+                    outcomes.append("quarantined" if exc.quarantined else str(exc))
+                except EngineDeadError:
+                    outcomes.append("dead")
+                    break
+            assert engine.is_dead
+            # r0: excused (progress) then quarantined; r1, r2: counted then quarantined; r3's
+            # first failure is the third counted one, past max_worker_restarts=2.
+            assert outcomes == ["quarantined", "quarantined", "quarantined", "dead"], outcomes
 
 
 async def test_past_the_restart_limit_the_engine_is_dead_and_says_why(
