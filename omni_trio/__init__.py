@@ -18,6 +18,7 @@ from .errors import InvalidTransition as InvalidTransition
 from .errors import OmniTrioError as OmniTrioError
 from .errors import RequestAbortedError as RequestAbortedError
 from .errors import RequestFailedError as RequestFailedError
+from .errors import RequestTimeoutError as RequestTimeoutError
 from .errors import RequestTooCostlyError as RequestTooCostlyError
 from .errors import RestartLimitError as RestartLimitError
 from .errors import StallError as StallError
@@ -54,6 +55,7 @@ __all__ = [
     "RequestMetrics",
     "RequestStatus",
     "RequestStream",
+    "RequestTimeoutError",
     "RequestTooCostlyError",
     "RestartLimitError",
     "SamplingParams",

@@ -20,6 +20,7 @@ __all__ = [
     "finite_float",
     "image_path",
     "nonneg_int",
+    "positive_float",
     "positive_int",
     "size_arg",
 ]
@@ -132,6 +133,13 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
 
 

@@ -41,6 +41,7 @@ from ._cli_args import (
     finite_float,
     image_path,
     nonneg_int,
+    positive_float,
     positive_int,
     size_arg,
 )
@@ -166,6 +167,14 @@ def _add_engine_options(
         help=f"requests fused into one forward (default: {max_num_seqs_default})",
     )
     group.add_argument(
+        "--scheduling-policy",
+        choices=("fifo", "priority", "fair"),
+        default=None,
+        help="who runs next: fifo (arrival order), priority (SamplingParams.priority, lower "
+        "first; preempts in step mode) or fair (round-robin across image shapes) "
+        "(default: fifo)",
+    )
+    group.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -219,6 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--guidance", type=finite_float, default=7.5, help="guidance scale")
     gen.add_argument("--negative-prompt", default=None, help="what the image should not show")
+    gen.add_argument(
+        "--deadline",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="give up after S seconds: the request is stopped within one step and the "
+        "command fails with RequestTimeoutError (default: no deadline)",
+    )
+    gen.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="the request's priority (lower runs first under --scheduling-policy priority)",
+    )
     gen.add_argument(
         "--size",
         type=size_arg,
@@ -547,6 +570,7 @@ def _engine_config(
         ("cache_dir", "cache_dir"),
         ("device", "device"),
         ("cfg_parallel", "cfg_parallel"),
+        ("scheduling_policy", "scheduling_policy"),
     ):
         value = getattr(args, dest, None)
         if isinstance(value, _CommandDefault):
@@ -676,6 +700,8 @@ def _generate_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         num_outputs_per_prompt=args.num_outputs,
         output_type="pil",
+        priority=args.priority,
+        deadline_s=args.deadline,
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ._core.engine_core import CoreConfig
+from ._core.policy import SCHEDULING_POLICIES
 from ._core.request import RequestLimits
 from .errors import InvalidConfigError
 
@@ -181,6 +182,23 @@ class EngineConfig:
     streaming_output: bool = False
     preview_interval: int = 1
 
+    # Who runs next (docs/execution-modes.md, *Scheduling policies*): "fifo" (arrival order,
+    # stopping at the first request that cannot join the running wave), "priority"
+    # (SamplingParams.priority, lower first; a waiting request is passed by later arrivals of
+    # better priority only within priority_aging_ticks ticks per priority level; in step
+    # mode a better one preempts a worse running one at the next step boundary) or "fair"
+    # (deficit round-robin across compatibility classes, fair_quantum pixels x steps per
+    # turn; None: the largest request seen).  Priorities outside min_priority..max_priority
+    # are refused.
+    scheduling_policy: str = "fifo"
+    priority_aging_ticks: int = 16
+    fair_quantum: int | None = None
+    min_priority: int = -10
+    max_priority: int = 10
+    # Step mode, "priority": preempted requests whose step state (latents, scheduler) the
+    # workers keep; a preemption past it drops the state: that request restarts from step 0.
+    max_preempted_states: int = 16
+
     warmup: bool = True
     # Request mode: pack outputs (postprocess, D2H, shared memory) in a background thread
     # while the next forward runs.  Step mode always packs synchronously.
@@ -264,6 +282,25 @@ class EngineConfig:
         _positive_int("max_prompt_chars", self.max_prompt_chars)
         _positive_int("max_steps", self.max_steps)
         _positive_int("max_outputs_per_prompt", self.max_outputs_per_prompt)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}",
+                field="scheduling_policy",
+            )
+        _positive_int("priority_aging_ticks", self.priority_aging_ticks)
+        _nonneg_int("max_preempted_states", self.max_preempted_states)
+        if self.fair_quantum is not None:
+            _positive_int("fair_quantum", self.fair_quantum)
+        for name in ("min_priority", "max_priority"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidConfigError(f"{name} must be an integer, got {value!r}", field=name)
+        if self.min_priority > self.max_priority:
+            raise InvalidConfigError(
+                f"min_priority ({self.min_priority}) must be <= max_priority ({self.max_priority})",
+                field="min_priority",
+            )
         if self.torch_threads is not None:
             _positive_int("torch_threads", self.torch_threads)
         _nonneg_float("request_batch_max_wait_ms", self.request_batch_max_wait_ms)
@@ -390,6 +427,10 @@ class EngineConfig:
             output_timeout_s=output_timeout_s,
             max_request_s=self.max_request_s,
             max_step_s=self.max_step_s,
+            scheduling_policy=self.scheduling_policy,
+            priority_aging_ticks=self.priority_aging_ticks,
+            fair_quantum=self.fair_quantum,
+            max_preempted_states=self.max_preempted_states,
         )
 
     @property
@@ -399,6 +440,8 @@ class EngineConfig:
             max_prompt_chars=self.max_prompt_chars,
             max_steps=self.max_steps,
             max_outputs=self.max_outputs_per_prompt,
+            min_priority=self.min_priority,
+            max_priority=self.max_priority,
         )
 
     @property

@@ -37,6 +37,7 @@ __all__ = [
     "PayloadError",
     "RequestAbortedError",
     "RequestFailedError",
+    "RequestTimeoutError",
     "RequestTooCostlyError",
     "RestartLimitError",
     "StallError",
@@ -50,6 +51,8 @@ RETRYABLE_ERROR_TYPES = frozenset({"WorkerFailedError", "StallError"})
 # error_type of a request failed for good because its worker group failed under it twice
 # (after the first time it ran alone): the likely cause, never run again, not retryable.
 QUARANTINED_ERROR_TYPE = "RequestQuarantinedError"
+# error_type of a request aborted at its deadline_s.
+TIMEOUT_ERROR_TYPE = "RequestTimeoutError"
 
 
 class OmniTrioError(Exception):
@@ -109,6 +112,14 @@ class RequestAbortedError(OmniTrioError):
     def __init__(self, request_id: str, message: str | None = None) -> None:
         super().__init__(message or f"Request {request_id} aborted.")
         self.request_id = request_id
+
+
+class RequestTimeoutError(RequestAbortedError, TimeoutError):
+    """The request reached its ``deadline_s`` before it finished: it was aborted then
+    (within one denoising step in step mode, at the next step callback in request mode) and
+    its resources released as for any abort."""
+
+    code = "deadline_exceeded"
 
 
 class RequestFailedError(OmniTrioError):

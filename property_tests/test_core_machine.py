@@ -35,6 +35,24 @@ def test_the_core_keeps_its_invariants(mode: str) -> None:
     run_state_machine_as_test(machine, settings=CORE_SETTINGS)
 
 
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_core_keeps_its_invariants_under_every_scheduling_policy(
+    mode: str, policy: str
+) -> None:
+    """Priorities with aging and step-boundary preemption, or fair rotation across
+    compatibility classes: the same invariants, deadlines included."""
+    machine = make_core_machine(CoreMachineOptions(mode=mode, scheduling_policy=policy))
+    run_state_machine_as_test(machine, settings=CORE_SETTINGS)
+
+
 def test_the_core_keeps_its_invariants_with_single_request_batches_and_no_retries() -> None:
     options = CoreMachineOptions(mode="request", max_num_seqs=1, max_retries=0)
+    run_state_machine_as_test(make_core_machine(options), settings=CORE_SETTINGS)
+
+
+def test_the_core_keeps_its_invariants_when_every_preemption_drops_its_state() -> None:
+    """Step mode, "priority", ``max_preempted_states=0``: each preempted request gives its
+    step state up and starts again from step 0 (the workers evict it first)."""
+    options = CoreMachineOptions(mode="step", scheduling_policy="priority", max_preempted_states=0)
     run_state_machine_as_test(make_core_machine(options), settings=CORE_SETTINGS)

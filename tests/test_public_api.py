@@ -24,6 +24,7 @@ EXPECTED = {
     "OmniTrioError",
     "RequestAbortedError",
     "RequestFailedError",
+    "RequestTimeoutError",
     "RequestTooCostlyError",
     "RequestMetrics",
     "RequestStatus",

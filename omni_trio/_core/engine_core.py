@@ -43,10 +43,11 @@ import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from ..errors import (
     QUARANTINED_ERROR_TYPE,
+    TIMEOUT_ERROR_TYPE,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -73,6 +74,7 @@ from .messages import (
     SchedulerOutput,
 )
 from .model_info import ModelInfo
+from .policy import SchedulingPolicy
 from .request import DiffusionRequest, RequestLimits, SamplingParams, validate_request
 from .scheduler import RequestScheduler, Scheduler, StepScheduler
 from .trace import TraceKind, TraceRecorder
@@ -131,6 +133,13 @@ class CoreConfig:
     # is refused at admission (None: no limit).
     max_request_s: float | None = None
     max_step_s: float | None = None
+    # Who runs next (see EngineConfig.scheduling_policy).
+    scheduling_policy: str = "fifo"
+    priority_aging_ticks: int = 16
+    fair_quantum: int | None = None
+    # Step mode, "priority": preempted requests whose step state the workers keep; past it a
+    # preempted request gives its state up and restarts from step 0 (same seed, same image).
+    max_preempted_states: int = 16
 
 
 # -- instructions ---------------------------------------------------------------------------
@@ -216,10 +225,20 @@ class EngineCore:
         seed: int = 0,
     ) -> None:
         self.config = config = config if config is not None else CoreConfig()
+        policy = cast(SchedulingPolicy, config.scheduling_policy)
+        aging, quantum = config.priority_aging_ticks, config.fair_quantum
         self.scheduler: Scheduler = (
-            StepScheduler(config.max_num_seqs)
+            StepScheduler(
+                config.max_num_seqs, policy=policy, aging_ticks=aging, fair_quantum=quantum
+            )
             if config.step_execution
-            else RequestScheduler(config.max_num_seqs, config.request_batch_max_wait_ms)
+            else RequestScheduler(
+                config.max_num_seqs,
+                config.request_batch_max_wait_ms,
+                policy=policy,
+                aging_ticks=aging,
+                fair_quantum=quantum,
+            )
         )
         self.trace = trace
         # Invariant: one entry per admitted, non-terminal request, keyed by id; its state is
@@ -231,6 +250,11 @@ class EngineCore:
         # PACKING deadlines: (deadline, seq, request id, key); stale ones are skipped lazily.
         self._deadlines: list[tuple[float, int, str, str]] = []
         self._deadline_seq = itertools.count()
+        # Requests' own deadlines (SamplingParams.deadline_s): (at, seq, request id, state
+        # identity); stale ones (the request ended, or its id was reused) skipped lazily.
+        self._request_deadlines: list[tuple[float, int, str, int]] = []
+        # PREEMPTED requests whose step state the workers may still hold (pruned lazily).
+        self._preempted_kept: set[str] = set()
         self.model_info: ModelInfo | None = None
         # Measured at warmup (the shell's calibration); kept across group restarts.
         self.cost_model: CostModel | None = None
@@ -302,14 +326,23 @@ class EngineCore:
         return {e.output_key: rid for rid, e in self._entries.items() if e.output_key}
 
     def next_deadline(self) -> float | None:
-        """When :meth:`expire` next has something to do (None: nothing is timed)."""
+        """When :meth:`expire` next has something to do (None: nothing is timed): a
+        PACKING output's deadline or a request's ``deadline_s``, whichever comes first."""
         heap = self._deadlines
         while heap:
             deadline, _, rid, key = heap[0]
             if self._awaits(rid, key, deadline):
-                return deadline
+                break
             heapq.heappop(heap)
-        return None
+        own = self._request_deadlines
+        while own and not self._times_out(own[0][2], own[0][3]):
+            heapq.heappop(own)
+        times = [h[0][0] for h in (heap, own) if h]
+        return min(times) if times else None
+
+    def _times_out(self, request_id: str, state_id: int) -> bool:
+        entry = self._entries.get(request_id)
+        return entry is not None and id(entry.state) == state_id
 
     def _awaits(self, request_id: str, key: str, deadline: float) -> bool:
         entry = self._entries.get(request_id)
@@ -407,6 +440,13 @@ class EngineCore:
             self._check_faults(request)
         state = self.scheduler.add_request(request, now)
         self._entries[rid] = _Entry(state, counted=counted)
+        if request.sampling.deadline_s is not None:
+            own = self._request_deadlines
+            if len(own) > 2 * len(self._entries) + 64:  # mostly ended requests: compact
+                own[:] = [d for d in own if self._times_out(d[2], d[3])]
+                heapq.heapify(own)
+            at = now + request.sampling.deadline_s
+            heapq.heappush(own, (at, next(self._deadline_seq), rid, id(state)))
         if counted:
             self._admitted += 1
         if self.trace is not None:
@@ -487,6 +527,10 @@ class EngineCore:
             raise RuntimeError("a scheduler output is already being executed")
         if not self.has_work():
             return None
+        # A step boundary: under "priority" a better waiting request preempts worse running
+        # ones (they keep their progress and their workers' step state, and their place).
+        for rid in self.scheduler.preemption_victims():
+            self.preempt(rid, now, reason="priority")
         sched_out = self.scheduler.schedule(now)
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return None
@@ -701,8 +745,27 @@ class EngineCore:
         return out
 
     def expire(self, now: float) -> list[Instruction]:
-        """End every PACKING request whose output deadline has passed (INV-6)."""
+        """End every PACKING request whose output deadline has passed (INV-6), and abort
+        every request past its own ``deadline_s`` (``FINISHED_ABORTED`` with
+        ``RequestTimeoutError``; a running one's forward is told to stop, as for any abort)."""
         out: list[Instruction] = []
+        own = self._request_deadlines
+        late: list[str] = []
+        while own and own[0][0] <= now:
+            _, _, rid, state_id = heapq.heappop(own)
+            if self._times_out(rid, state_id):
+                late.append(rid)
+        for rid in late:
+            entry = self._entries.get(rid)
+            if entry is None:
+                continue
+            limit = entry.state.request.sampling.deadline_s
+            message = f"request {rid} did not finish within its deadline of {limit:g} s"
+            out.extend(
+                self.abort(
+                    (rid,), now, reason="deadline", error=message, error_type=TIMEOUT_ERROR_TYPE
+                )
+            )
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             deadline, _, rid, key = heapq.heappop(heap)
@@ -774,11 +837,18 @@ class EngineCore:
     # -- aborts --------------------------------------------------------------------------
 
     def abort(
-        self, request_ids: Iterable[str], now: float, *, reason: str = "api"
+        self,
+        request_ids: Iterable[str],
+        now: float,
+        *,
+        reason: str = "api",
+        error: str | None = None,
+        error_type: str | None = None,
     ) -> list[Instruction]:
         """Abort live requests (unknown or finished ids are ignored).
 
-        Each reaches FINISHED_ABORTED at once; a running one's forward is told to stop
+        Each reaches FINISHED_ABORTED at once (with ``error``/``error_type`` when given,
+        else ``RequestAbortedError``); a running one's forward is told to stop
         (:class:`StopForwards`) and its late result will be dropped; a PACKING one's output
         is dropped.
         """
@@ -795,28 +865,45 @@ class EngineCore:
             elif status is _S.PACKING and entry.output_key is not None:
                 out.append(DropOutput(entry.output_key, rid))
                 entry.output_key = None
-            self.scheduler.finish_requests(rid, _S.FINISHED_ABORTED, now)
+            self.scheduler.finish_requests(
+                rid, _S.FINISHED_ABORTED, now, error=error, error_type=error_type
+            )
             self._terminal(entry, None, now, out)
         if stop:
             out.insert(0, StopForwards(tuple(stop)))
         return out
 
-    def preempt(self, request_id: str, now: float) -> bool:
-        """Step-boundary preemption: a RUNNING request goes back to the front of the queue
-        as PREEMPTED, keeping its progress (its workers keep its step state), and resumes
-        when scheduled again.  Only between two forwards: returns False (and changes
-        nothing) if it is not running or a forward is in flight."""
+    def preempt(self, request_id: str, now: float, *, reason: str = "api") -> bool:
+        """Step-boundary preemption: a RUNNING request goes back to the queue as PREEMPTED,
+        keeping its progress (its workers keep its step state), and resumes when scheduled
+        again: at the front of the queue, or (``reason="priority"``, the scheduler's own
+        preemption) at the place its priority and arrival give it.  Only between two
+        forwards: returns False (and changes nothing) if it is not running or a forward is in
+        flight."""
         entry = self._entries.get(request_id)
+        requeue: Literal["front", "key"] = "key" if reason == "priority" else "front"
         if (
             self._dispatch is not None
             or entry is None
             or entry.state.status is not _S.RUNNING
-            or not self.scheduler.preempt_request(request_id)
+            or not self.scheduler.preempt_request(request_id, requeue=requeue)
         ):
             return False
-        self._record(
-            now, _K.PREEMPT, request_id, detail={"progress": entry.state.num_computed_steps}
-        )
+        detail: dict[str, Any] = {"progress": entry.state.num_computed_steps}
+        if reason != "api":
+            detail["reason"] = reason
+        kept = self._preempted_kept
+        kept.add(request_id)
+        for rid in list(kept):  # those resumed or ended since hold nothing here any more
+            state = self.scheduler.get_request_state(rid)
+            if state is None or state.status is not _S.PREEMPTED or not state.sent_to_worker:
+                kept.discard(rid)
+        if len(kept) > self.config.max_preempted_states and self.scheduler.drop_worker_state(
+            request_id
+        ):
+            kept.discard(request_id)
+            detail["state_dropped"] = True
+        self._record(now, _K.PREEMPT, request_id, detail=detail)
         return True
 
     def consumer_gone(self, request_id: str, now: float) -> list[Instruction]:

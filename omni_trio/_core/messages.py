@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import (
+    TIMEOUT_ERROR_TYPE,
     EngineClosedError,
     EngineDeadError,
     RequestAbortedError,
     RequestFailedError,
+    RequestTimeoutError,
 )
 from .lifecycle import RequestStatus
 from .request import DiffusionRequest
@@ -247,5 +249,7 @@ class DiffusionOutput:
         if self.error_type == "EngineDeadError":
             raise EngineDeadError(self.error or "engine is dead")
         if self.status is RequestStatus.FINISHED_ABORTED:
+            if self.error_type == TIMEOUT_ERROR_TYPE:
+                raise RequestTimeoutError(self.request_id, self.error)
             raise RequestAbortedError(self.request_id, self.error)
         raise RequestFailedError(self.request_id, self.error or "failed", self.error_type)

@@ -40,7 +40,11 @@ class SamplingParams:
     ``height``/``width`` of ``None`` mean the model's default size.  ``seed`` of ``None`` means
     a random seed chosen at admission and reported on the output.  ``timesteps``/``sigmas``,
     when given, fix the schedule (and the step count, in that order of precedence).
-    ``extra_args`` is model-specific and passed through untouched.
+    ``extra_args`` is model-specific and passed through untouched.  ``priority`` orders the
+    queue under ``scheduling_policy="priority"`` (lower runs first; ignored by the other
+    policies); ``deadline_s`` (seconds from admission) ends the request ``FINISHED_ABORTED``
+    with :class:`~omni_trio.errors.RequestTimeoutError` if it has not finished by then.
+    Neither is part of a compatibility key.
     """
 
     height: int | None = None
@@ -54,6 +58,8 @@ class SamplingParams:
     timesteps: tuple[float, ...] | None = None
     sigmas: tuple[float, ...] | None = None
     extra_args: Mapping[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    deadline_s: float | None = None
 
     @property
     def total_steps(self) -> int:
@@ -93,6 +99,8 @@ class RequestLimits:
     max_prompt_chars: int = 10_000
     max_steps: int = 1000
     max_outputs: int = 16
+    min_priority: int = -10
+    max_priority: int = 10
 
 
 def _fail(message: str, param: str) -> InvalidRequestError:
@@ -229,6 +237,19 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
         isinstance(sp.seed, bool) or not isinstance(sp.seed, int) or not 0 <= sp.seed <= MAX_SEED
     ):
         raise _fail(f"seed must be an integer in 0..2**63-1, got {sp.seed!r}", "seed")
+    pr = sp.priority
+    if isinstance(pr, bool) or not isinstance(pr, int):
+        raise _fail(f"priority must be an integer, got {pr!r}", "priority")
+    if not limits.min_priority <= pr <= limits.max_priority:
+        raise _fail(
+            f"priority must be in {limits.min_priority}..{limits.max_priority}, got {pr}",
+            "priority",
+        )
+    dl = sp.deadline_s
+    if dl is not None and (
+        isinstance(dl, bool) or not isinstance(dl, int | float) or not math.isfinite(dl) or dl <= 0
+    ):
+        raise _fail(f"deadline_s must be a finite number of seconds > 0, got {dl!r}", "deadline_s")
     if not isinstance(sp.extra_args, Mapping):
         raise _fail("extra_args must be a mapping", "extra_args")
     _check_extra(sp.extra_args)

@@ -10,24 +10,42 @@ Its owner (the engine loop) feeds it events and carries out its decisions::
                                             packed moves to PACKING and leaves its batch
     finish_requests(ids, status, ...)    -> ids that reached a terminal state (abort, errors,
                                             a PACKING request's output arrived or was lost)
-    preempt_request(id)                  -> RUNNING or PACKING back to the front of the queue
+    preempt_request(id, requeue=...)     -> RUNNING or PACKING back to the queue as PREEMPTED
+                                            (its front, or its own place under the policy)
+    preemption_victims()                 -> running ids to preempt at a step boundary so a
+                                            better waiting request can start ("priority")
     pop_request_state(id)                -> the terminal state, removed for good
 
-Admission is strict FIFO with head-of-line blocking: an incompatible head stops admission and
-later compatible requests are not moved ahead of it.  Every operation costs O(wave size), not
-O(queue length): aborted waiting requests are dropped lazily when they reach the head.
+Which waiting request is offered next is the scheduling policy's (``policy=``, see
+:mod:`omni_trio._core.policy`); the scheduler stays the lifecycle owner:
+
+* ``"fifo"`` (default): strict arrival order with head-of-line blocking: an incompatible head
+  stops admission and later compatible requests are not moved ahead of it.
+* ``"priority"``: lowest ``(tick + priority * aging_ticks, seq)`` first (``priority`` from the
+  request's sampling params, lower runs first; ``tick`` the step id at admission), with the
+  same head-of-line blocking on the best request.  Aging bounds starvation: a request is
+  passed by a later, better-priority one only if it arrived within ``priority difference *
+  aging_ticks`` ticks.  In step mode, :meth:`Scheduler.preemption_victims` names the running
+  requests to preempt so that a better waiting one can start.
+* ``"fair"``: deficit round-robin across compatibility classes, costs in pixels x steps
+  (:func:`~omni_trio._core.policy.request_cost`); a wave is one class's visit.
+
+Under every policy a crash requeue goes ahead of everything, and the suspect (``solo``) rules
+hold.  A tick costs O(wave size) (plus O(log n) per admission for "priority" and O(classes)
+per new wave for "fair"), never O(queue length): aborted waiting requests are dropped lazily
+when they reach a head.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ..errors import DuplicateRequestError
 from .keys import request_batch_key, step_batch_key
 from .lifecycle import RequestState, RequestStatus, transition
 from .messages import BatchRunnerOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from .policy import PriorityQueue, WaitingQueue, make_waiting_queue
 from .request import DiffusionRequest
 
 __all__ = [
@@ -47,7 +65,13 @@ _S = RequestStatus
 
 
 class Scheduler:
-    """Shared base of the request and step schedulers."""
+    """Shared base of the request and step schedulers.
+
+    ``policy`` is one of :data:`~omni_trio._core.policy.SCHEDULING_POLICIES`; ``aging_ticks``
+    ("priority": ticks one priority level is worth) and ``fair_quantum`` ("fair": cost one
+    visit grants; None: the largest cost seen) are validated for every policy.  Raises
+    ValueError for a bad capacity, policy, ``aging_ticks`` < 1 or ``fair_quantum`` <= 0.
+    """
 
     mode: ClassVar[str] = "base"
 
@@ -55,17 +79,22 @@ class Scheduler:
         self,
         max_num_seqs: int = 1,
         key_fn: Callable[[DiffusionRequest], Hashable] = request_batch_key,
+        *,
+        policy: str = "fifo",
+        aging_ticks: int = 16,
+        fair_quantum: int | None = None,
     ) -> None:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.capacity = max_num_seqs
         self._key_fn = key_fn
+        self._queue: WaitingQueue = make_waiting_queue(
+            policy, key_fn, aging_ticks=aging_ticks, fair_quantum=fair_quantum
+        )
+        self.policy = policy
         # Every admitted request until pop_request_state (terminal ones included).
         self._states: dict[str, RequestState] = {}
-        # FIFO of WAITING/PREEMPTED states; an entry is live iff its state is still in
-        # ``_queued`` (identity), so aborted entries are skipped when they reach the head.
-        self._waiting: deque[RequestState] = deque()
-        self._queued: set[int] = set()
+        # WAITING/PREEMPTED states live in ``_queue`` (the policy's), and only there.
         # Running requests in admission order (batch row order).
         self._running: dict[str, RequestState] = {}
         # Compute done, output still being packed: out of the batch, not terminal yet.
@@ -79,7 +108,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._queued)
+        return len(self._queue)
 
     @property
     def num_running(self) -> int:
@@ -94,14 +123,15 @@ class Scheduler:
         return self._step_id
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._queued) or bool(self._running)
+        return bool(self._queue) or bool(self._running)
 
     def has_schedulable_work(self) -> bool:
-        """A schedule() now would run something: a request is running, or the head of the
-        queue may start (not a suspect waiting for the group to empty, see ``solo``)."""
+        """A schedule() now would run something: a request is running, or the request the
+        policy offers next may start (not a suspect waiting for the group to empty, see
+        ``solo``)."""
         if self._running:
             return True
-        head = self._peek_head()
+        head = self._queue.peek(None)
         return head is not None and not self._solo_blocks(head)
 
     def has_finished_to_report(self) -> bool:
@@ -119,11 +149,13 @@ class Scheduler:
         return tuple(self._packing)
 
     def live_request_ids(self) -> list[str]:
-        """Ids of every admitted request that is not terminal (packing first, then running,
-        then queue order)."""
+        """Ids of every admitted request that is not terminal: packing first, then running,
+        then waiting in the order the policy would run them (exact for "fifo" and
+        "priority"; for "fair" class by class in ring order, an approximation).  O(n), and
+        O(n log n) for "priority": for listings, not for every tick."""
         ids = list(self._packing)
         ids.extend(self._running)
-        ids.extend(s.request_id for s in self._waiting if id(s) in self._queued)
+        ids.extend(s.request_id for s in self._queue)
         return ids
 
     def pending_finished_request_ids(self) -> list[str]:
@@ -133,22 +165,24 @@ class Scheduler:
     # -- events --------------------------------------------------------------------------
 
     def add_request(self, request: DiffusionRequest, now: float) -> RequestState:
-        """Admit ``request`` as WAITING at the back of the queue.
+        """Admit ``request`` as WAITING at the back of the queue (its place under the policy).
 
         Raises :class:`DuplicateRequestError` while a request with the same id has state here
-        (terminal-but-not-popped included).
+        (terminal-but-not-popped included), and ValueError ("fair") for a request whose
+        height/width is not resolved; nothing changes when it raises.  O(1), O(log n) under
+        "priority".
         """
         rid = request.request_id
         if rid in self._states:
             raise DuplicateRequestError(rid)
         state = RequestState(request=request, queued_at=now)
         self._init_state(state)
+        self._queue.add(state, self._step_id)  # first: a refusal leaves nothing behind
         self._states[rid] = state
-        self._enqueue(state, front=False)
         return state
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Admit compatible requests from the head while capacity allows."""
+        """Admit compatible requests in policy order while capacity allows."""
         self._step_id += 1
         new, cached = self._admit(now)
         finished = frozenset(self._finished_pending)
@@ -213,13 +247,25 @@ class Scheduler:
             done.append(rid)
         return done
 
-    def preempt_request(self, request_id: str, *, reset_progress: bool = False) -> bool:
-        """Move a RUNNING or PACKING request to the front of the queue as PREEMPTED.
+    def preempt_request(
+        self,
+        request_id: str,
+        *,
+        reset_progress: bool = False,
+        requeue: Literal["front", "key"] = "front",
+    ) -> bool:
+        """Move a RUNNING or PACKING request back to the queue as PREEMPTED.
 
+        ``requeue="front"`` puts it ahead of everything (a crash requeue); ``"key"`` puts it
+        back in its own place under the policy ("priority": its original sort key, so it
+        keeps its standing and aging; "fair": the head of its class; "fifo": the front).
         Returns False (and changes nothing) if it is neither.  Step progress is kept unless
         ``reset_progress`` (the workers lost the request's state, e.g. after a crash).  A
-        PACKING request's output was lost: it runs again from the start.
+        PACKING request's output was lost: it runs again from the start.  O(1), or O(log n)
+        for ``"key"`` under "priority".
         """
+        if requeue not in ("front", "key"):
+            raise ValueError(f"requeue must be 'front' or 'key', got {requeue!r}")
         state = self._running.get(request_id)
         if state is None:
             state = self._packing.get(request_id)
@@ -234,20 +280,45 @@ class Scheduler:
         if reset_progress:
             state.num_computed_steps = 0
             state.sent_to_worker = False
-        self._enqueue(state, front=True)
+        if requeue == "key":
+            self._queue.requeue(state)
+        else:
+            self._queue.push_front(state)
         return True
+
+    def preemption_victims(self) -> tuple[str, ...]:
+        """Running ids to preempt now so that a better waiting request can start.
+
+        Always ``()`` here: only the step scheduler under "priority" preempts (see
+        :meth:`StepScheduler.preemption_victims`).  Pure query, changes nothing.
+        """
+        return ()
 
     def forget_worker_state(self) -> list[str]:
         """The workers lost every step state they held (their group failed): each queued
         request that had its payload sent starts again from step 0, its payload sent anew.
         Returns their ids."""
         reset: list[str] = []
-        for state in self._waiting:
-            if id(state) in self._queued and state.sent_to_worker:
+        for state in self._queue:
+            if state.sent_to_worker:
                 state.sent_to_worker = False
                 state.num_computed_steps = 0
                 reset.append(state.request_id)
         return reset
+
+    def drop_worker_state(self, request_id: str) -> bool:
+        """A PREEMPTED request whose step state the workers hold gives it up: its id goes
+        out in the next output's ``finished_req_ids`` (the workers evict it before they
+        prepare anything new), and it starts again from step 0 with its payload sent anew
+        (same seed: same image).  False (nothing changes) unless it is PREEMPTED with state
+        on the workers."""
+        state = self._states.get(request_id)
+        if state is None or state.status is not _S.PREEMPTED or not state.sent_to_worker:
+            return False
+        state.sent_to_worker = False
+        state.num_computed_steps = 0
+        self._finished_pending.add(request_id)
+        return True
 
     def pop_request_state(self, request_id: str) -> RequestState | None:
         """Remove and return a terminal request's state (None if unknown).
@@ -271,27 +342,13 @@ class Scheduler:
     def _init_state(self, state: RequestState) -> None:
         """Hook for subclasses to set per-mode fields on a new state."""
 
-    def _enqueue(self, state: RequestState, *, front: bool) -> None:
-        self._queued.add(id(state))
-        if front:
-            self._waiting.appendleft(state)
-        else:
-            self._waiting.append(state)
-
-    def _peek_head(self) -> RequestState | None:
-        waiting = self._waiting
-        while waiting:
-            head = waiting[0]
-            if id(head) in self._queued:
-                return head
-            waiting.popleft()  # aborted while waiting: drop lazily
-        return None
-
     def _admit(self, now: float) -> tuple[list[NewRequestData], list[str]]:
         new: list[NewRequestData] = []
         cached: list[str] = []
+        queue = self._queue
         while len(self._running) < self.capacity:
-            head = self._peek_head()
+            wave = self._wave_key if self._running else None
+            head = queue.peek(wave)
             if head is None:
                 break
             key = self._key_fn(head.request)
@@ -301,8 +358,8 @@ class Scheduler:
                 break  # a suspect runs alone
             if not self._running:
                 self._wave_key = key
-            self._waiting.popleft()
-            self._queued.discard(id(head))
+            popped = queue.pop(wave)
+            assert popped is head, "a queue popped something other than what it offered"
             transition(head, _S.RUNNING)
             if head.first_scheduled_at is None:
                 head.first_scheduled_at = now
@@ -354,7 +411,7 @@ class Scheduler:
         if self._running.pop(rid, None) is not None and not self._running:
             self._wave_key = None
         self._packing.pop(rid, None)
-        self._queued.discard(id(state))
+        self._queue.discard(state)
         state.finished_at = now
         if status is _S.FINISHED_ERROR:
             state.error = error or "request failed"
@@ -377,8 +434,22 @@ class RequestScheduler(Scheduler):
 
     mode = "request"
 
-    def __init__(self, max_num_seqs: int = 1, request_batch_max_wait_ms: float = 0.0) -> None:
-        super().__init__(max_num_seqs, request_batch_key)
+    def __init__(
+        self,
+        max_num_seqs: int = 1,
+        request_batch_max_wait_ms: float = 0.0,
+        *,
+        policy: str = "fifo",
+        aging_ticks: int = 16,
+        fair_quantum: int | None = None,
+    ) -> None:
+        super().__init__(
+            max_num_seqs,
+            request_batch_key,
+            policy=policy,
+            aging_ticks=aging_ticks,
+            fair_quantum=fair_quantum,
+        )
         if not request_batch_max_wait_ms >= 0 or request_batch_max_wait_ms == float("inf"):
             raise ValueError(
                 "request_batch_max_wait_ms must be a finite number >= 0, "
@@ -395,7 +466,7 @@ class RequestScheduler(Scheduler):
         return state
 
     def admission_wait(self, now: float) -> float | None:
-        if self.max_wait_s <= 0 or self.capacity <= 1 or self._running or not self._queued:
+        if self.max_wait_s <= 0 or self.capacity <= 1 or self._running or not self._queue:
             self._wait_deadline = None
             return None
         if self.num_waiting >= self.capacity:
@@ -442,8 +513,72 @@ class StepScheduler(Scheduler):
 
     mode = "step"
 
-    def __init__(self, max_num_seqs: int = 1) -> None:
-        super().__init__(max_num_seqs, step_batch_key)
+    def __init__(
+        self,
+        max_num_seqs: int = 1,
+        *,
+        policy: str = "fifo",
+        aging_ticks: int = 16,
+        fair_quantum: int | None = None,
+    ) -> None:
+        super().__init__(
+            max_num_seqs,
+            step_batch_key,
+            policy=policy,
+            aging_ticks=aging_ticks,
+            fair_quantum=fair_quantum,
+        )
+
+    def preemption_victims(self) -> tuple[str, ...]:
+        """Under "priority": the running ids to preempt at this step boundary so that the
+        best waiting request W can start; ``()`` under the other policies.
+
+        A running request R is *worse* than W when its priority number is strictly larger
+        and its sort key is later than W's (one that aged past W is never preempted for it:
+        requeued, it would be offered before W again).  When W cannot start now:
+
+        * the batch is full and W shares the wave's key: the single worst running request
+          that is worse than W (largest priority number, latest admitted among ties);
+        * W's key differs from the wave's: every running request, if each is worse than W;
+
+        otherwise ``()``.  Never when W or any running or packing request is ``solo``;
+        PACKING requests are never victims.  Contract: after
+        ``preempt_request(rid, requeue="key")`` for each victim (progress kept), the next
+        ``schedule(now)`` admits W.  A query: changes nothing.  O(wave size).
+        """
+        queue = self._queue
+        if not isinstance(queue, PriorityQueue) or not self._running:
+            return ()
+        best = queue.peek(None)
+        if best is None or best.solo:
+            return ()
+        running = self._running
+        if any(s.solo for s in running.values()) or any(s.solo for s in self._packing.values()):
+            return ()
+        same_key = self._key_fn(best.request) == self._wave_key
+        if same_key and len(running) < self.capacity:
+            return ()  # it can start now
+        best_priority = best.request.sampling.priority
+        best_key = queue.sort_key(best)
+        assert best_key is not None
+
+        def worse(state: RequestState) -> bool:
+            key = queue.sort_key(state)
+            assert key is not None
+            return state.request.sampling.priority > best_priority and key > best_key
+
+        if not same_key:
+            if all(worse(s) for s in running.values()):
+                return tuple(running)
+            return ()
+        victim: RequestState | None = None
+        for state in running.values():  # admission order: a later tie wins
+            if worse(state) and (
+                victim is None
+                or state.request.sampling.priority >= victim.request.sampling.priority
+            ):
+                victim = state
+        return () if victim is None else (victim.request_id,)
 
     def _init_state(self, state: RequestState) -> None:
         total = state.request.sampling.total_steps

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._core.messages import BatchRunnerOutput, RunnerOutput, SchedulerOutput
+from .._core.policy import SCHEDULING_POLICIES, SchedulingPolicy
 from .._core.request import DiffusionRequest, SamplingParams
 from .._core.scheduler import RequestScheduler, Scheduler, StepScheduler
 from .harness import Progress, Report, Summary, machine_info, pair_ratios
@@ -55,6 +56,16 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _policies(text: str) -> tuple[str, ...]:
+    policies = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in policies if m not in SCHEDULING_POLICIES]
+    if not policies or bad:
+        raise argparse.ArgumentTypeError(
+            f"policies are {', '.join(SCHEDULING_POLICIES)}, got {text!r}"
+        )
+    return policies
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue-lengths",
@@ -64,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--modes", type=_modes, default=("request", "step"), help="request,step (default both)"
+    )
+    parser.add_argument(
+        "--policies",
+        type=_policies,
+        default=("fifo",),
+        help="scheduling policies to measure: fifo,priority,fair (default fifo); priority "
+        "gets three priority levels, fair two image sizes (two classes)",
     )
     parser.add_argument("--wave", type=int, default=8, help="max_num_seqs: requests per tick")
     parser.add_argument(
@@ -83,27 +101,37 @@ class _Bench:
     queue_length: int
     wave: int
     steps: int
+    policy: SchedulingPolicy = "fifo"
     scheduler: Scheduler = field(init=False)
     _next_id: int = 0
     _now: float = 0.0
-    _params: SamplingParams = field(init=False)
+    _params: list[SamplingParams] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.mode == "step":
-            self.scheduler = StepScheduler(self.wave)
+            self.scheduler = StepScheduler(self.wave, policy=self.policy)
         else:
-            self.scheduler = RequestScheduler(self.wave)
-        self._params = SamplingParams(
+            self.scheduler = RequestScheduler(self.wave, policy=self.policy)
+        base = SamplingParams(
             height=64, width=64, num_inference_steps=self.steps, seed=0, output_type="np"
         )
+        # What the policy sorts by varies: three priorities, or two classes (sizes).
+        if self.policy == "priority":
+            self._params = [base.replace(priority=p) for p in (1, 0, -1)]
+        elif self.policy == "fair":
+            self._params = [base, base.replace(height=32, width=32)]
+        else:
+            self._params = [base]
         self.top_up()
 
     def top_up(self) -> None:
         """Add requests until ``queue_length`` are waiting (untimed)."""
         sched = self.scheduler
+        params = self._params
         while sched.num_waiting < self.queue_length:
             self._next_id += 1
-            request = DiffusionRequest("p", self._params, f"r{self._next_id}")
+            sampling = params[self._next_id % len(params)]
+            request = DiffusionRequest("p", sampling, f"r{self._next_id}")
             sched.add_request(request, self._now)
 
     def _result(self, out: SchedulerOutput) -> BatchRunnerOutput:
@@ -157,6 +185,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
         QUICK_QUEUE_LENGTHS if quick else DEFAULT_QUEUE_LENGTHS
     )
     modes: tuple[str, ...] = args.modes
+    policies: tuple[SchedulingPolicy, ...] = getattr(args, "policies", ("fifo",))
     if args.wave < 1 or args.steps < 1:
         raise ValueError("--wave and --steps must be >= 1")
     ticks = args.ticks or (50 if quick else 500)
@@ -167,6 +196,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
         command=command,
         params={
             "modes": list(modes),
+            "policies": list(policies),
             "queue_lengths": list(lengths),
             "wave": args.wave,
             "steps": args.steps,
@@ -179,6 +209,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
         machine=machine_info(device="cpu"),
         columns=[
             "mode",
+            "policy",
             "waiting",
             "tick us min / median / max",
             "tick us p50 / p90 / p99",
@@ -187,10 +218,13 @@ def run(args: argparse.Namespace, command: str) -> Report:
     )
     started = time.perf_counter()
     results: dict[str, dict[str, object]] = {}
-    total = len(modes) * repeats
+    total = len(modes) * len(policies) * repeats
+    runs = [(mode, policy) for mode in modes for policy in policies]
     with Progress(total, "scheduler", enabled=not args.no_progress) as bar:
-        for mode in modes:
-            benches = [_Bench(mode, n, args.wave, args.steps) for n in lengths]
+        for mode, policy in runs:
+            # fifo keeps its old key; the others are "mode/policy".
+            name = mode if policy == "fifo" else f"{mode}/{policy}"
+            benches = [_Bench(mode, n, args.wave, args.steps, policy) for n in lengths]
             run_block: list[Callable[[], list[float]]] = [
                 functools.partial(b.block, ticks, keep_gc=args.gc) for b in benches
             ]
@@ -217,6 +251,7 @@ def run(args: argparse.Namespace, command: str) -> Report:
                 report.rows.append(
                     {
                         "mode": mode,
+                        "policy": policy,
                         "waiting": bench.queue_length,
                         "tick us min / median / max": tick.spread("{:.2f}"),
                         "tick us p50 / p90 / p99": tick.tail("{:.2f}"),
@@ -229,10 +264,10 @@ def run(args: argparse.Namespace, command: str) -> Report:
             )
             mode_results["worst_median_ratio"] = worst
             mode_results["flat_within_target"] = worst <= FLATNESS_TARGET
-            results[mode] = mode_results
+            results[name] = mode_results
             if worst > FLATNESS_TARGET:
                 report.notes.append(
-                    f"{mode} mode: per-tick cost grows {worst:.2f}x from {lengths[0]} to "
+                    f"{name} mode: per-tick cost grows {worst:.2f}x from {lengths[0]} to "
                     f"{lengths[-1]} waiting requests (target <= {FLATNESS_TARGET}x)"
                 )
             del benches, run_block

@@ -96,7 +96,7 @@ class AsyncEngine:
         self._wake = trio.Event()  # work for the loop (set by _wake_loop)
         self._changed = trio.Event()  # pulsed after every carried-out event (wait_idle)
         self._timer_wake = trio.Event()  # a deadline appeared
-        self._timer_idle = True
+        self._timer_until = math.inf  # when the deadline task wakes next (inf: idle)
         self._group_changed = trio.Event()
         self._loop_scope: trio.CancelScope | None = None
         self._loop_done = trio.Event()
@@ -166,7 +166,12 @@ class AsyncEngine:
             executor.claim_output(ins.key, callback)
         except Exception as exc:  # the pump failed already: the output is lost with it
             callback(None, exc)
-        if self._timer_idle:
+        self._deadline_added()
+
+    def _deadline_added(self) -> None:
+        """Wake the deadline task if the core's next deadline is now sooner than its own."""
+        deadline = self.core.next_deadline()
+        if deadline is not None and deadline < self._timer_until:
             self._timer_wake.set()
 
     def _on_output(
@@ -284,13 +289,14 @@ class AsyncEngine:
             self._loop_done.set()
 
     async def _serve_deadlines(self) -> None:
-        """Sleep until the core's next deadline (a PACKING output's), then let it expire."""
+        """Sleep until the core's next deadline (a PACKING output's, or a request's
+        ``deadline_s``), then let it expire."""
         core = self.core
         while True:
             self._timer_wake = trio.Event()
             deadline = core.next_deadline()
-            self._timer_idle = deadline is None
-            with trio.move_on_at(math.inf if deadline is None else deadline):
+            self._timer_until = math.inf if deadline is None else deadline
+            with trio.move_on_at(self._timer_until):
                 await self._timer_wake.wait()
             now = trio.current_time()
             if deadline is not None and now >= deadline:
@@ -389,6 +395,8 @@ class AsyncEngine:
         if core.model_info is not None and counted:
             self._warn_ignored(core.model_info.ignored(request.sampling))
         stream = self._streams.open(request.request_id, request.sampling.seed)
+        if request.sampling.deadline_s is not None:
+            self._deadline_added()
         self._wake.set()
         return stream
 

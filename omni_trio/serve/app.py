@@ -75,6 +75,7 @@ from .._core.messages import DiffusionOutput
 from ..errors import (
     QUARANTINED_ERROR_TYPE,
     RETRYABLE_ERROR_TYPES,
+    TIMEOUT_ERROR_TYPE,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -97,7 +98,15 @@ from .images import (
 )
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServeMetrics
-from .pool import DrainingError, EnginePool, NotReadyError, QueueFullError, Submission
+from .pool import (
+    MAX_RETRY_AFTER_S,
+    DrainingError,
+    EnginePool,
+    NotReadyError,
+    QueueFullError,
+    QueueWaitError,
+    Submission,
+)
 from .pool import new_request_id as _new_request_id
 
 __all__ = [
@@ -293,8 +302,8 @@ class _Exchange:
         return values[0] if values else None
 
 
-def _retry_after() -> list[tuple[str, str]]:
-    return [("Retry-After", str(RETRY_AFTER_S))]
+def _retry_after(seconds: int = RETRY_AFTER_S) -> list[tuple[str, str]]:
+    return [("Retry-After", str(seconds))]
 
 
 # The official OpenAI clients retry 5xx (and 408/409/429) unless told not to: a failure that
@@ -843,7 +852,22 @@ class ImagesApp:
             raise ApiError(400, str(exc), param=param, code=code)
         except QueueFullError as exc:
             raise ApiError(
-                429, str(exc), type="rate_limit_error", code="queue_full", headers=_retry_after()
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="queue_full",
+                headers=_retry_after(self.pool.retry_after_s()),
+            )
+        except QueueWaitError as exc:
+            # Come back when the queue is short enough: its excess at the measured rate.
+            wait = min(MAX_RETRY_AFTER_S, max(1, math.ceil(exc.estimate_s - exc.limit_s)))
+            raise ApiError(
+                503,
+                str(exc),
+                type="server_error",
+                param="timeout" if exc.what == "the request's timeout" else None,
+                code="queue_wait_too_long",
+                headers=_retry_after(wait),
             )
         except DrainingError as exc:
             raise _unavailable(str(exc), "draining")
@@ -951,6 +975,17 @@ class ImagesApp:
         rid = submission.request_id
         ex.detail = f"{output.status.name}: {output.error_type}: {output.error}"
         if output.status is RequestStatus.FINISHED_ABORTED:
+            if output.error_type == TIMEOUT_ERROR_TYPE:  # the engine ended it at deadline_s
+                ex.outcome = "timeout"
+                self.metrics.observe_abort("timeout")
+                return ApiError(
+                    504,
+                    f"{output.error or f'request {rid} did not finish in time'}; "
+                    "it was aborted (timeout)",
+                    type="server_error",
+                    param="timeout",
+                    code="timeout",
+                )
             reason = submission.stream.abort_reason
             ex.outcome = "cancelled" if reason == "cancelled" else "aborted"
             self.metrics.observe_abort(reason or "engine")

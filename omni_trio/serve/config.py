@@ -160,6 +160,9 @@ class ServeConfig:
     # SIGTERM/SIGINT: stop admitting, wait this long for in-flight requests, abort the rest.
     drain_timeout_s: float = 30.0
     max_queue_len: int = 64  # requests in flight (queued + running), all replicas; then 429
+    # Refuse (503 + Retry-After) a generation whose estimated queue wait, at the measured
+    # service rate, exceeds this (None: only its own timeout is checked).
+    max_queue_wait_s: float | None = None
     max_body_bytes: int = 1_000_000
     max_prompt_chars: int = 4000
     max_n: int = 4
@@ -208,6 +211,8 @@ class ServeConfig:
         _check_int("replicas", self.replicas, minimum=1)
         _check_float("drain_timeout_s", self.drain_timeout_s)
         _check_int("max_queue_len", self.max_queue_len, minimum=1)
+        if self.max_queue_wait_s is not None:
+            _check_float("max_queue_wait_s", self.max_queue_wait_s, positive=True)
         _check_int("max_body_bytes", self.max_body_bytes, minimum=1)
         _check_int("max_prompt_chars", self.max_prompt_chars, minimum=1)
         _check_int("max_n", self.max_n, minimum=1)
@@ -527,6 +532,13 @@ FLAGS: tuple[Flag, ...] = (
         "stream step previews (SSE partial images; implies --step-execution)",
         boolean=True,
     ),
+    Flag(
+        "--scheduling-policy",
+        ("engine", "scheduling_policy"),
+        "who runs next: fifo (arrival order), priority (the request's priority, lower first; "
+        "preempts in step mode) or fair (round-robin across image shapes)",
+        choices=("fifo", "priority", "fair"),
+    ),
     Flag("--warmup", ("engine", "warmup"), "warm every replica up before ready", boolean=True),
     Flag("--host", ("host",), "address to bind (default 127.0.0.1: loopback only)"),
     Flag("--port", ("port",), "TCP port (default 8000; 0 picks a free one)", type=int),
@@ -549,6 +561,14 @@ FLAGS: tuple[Flag, ...] = (
         "requests in flight (queued and running) before 429",
         type=int,
         metavar="N",
+    ),
+    Flag(
+        "--max-queue-wait",
+        ("max_queue_wait_s",),
+        "refuse (503 + Retry-After) a generation whose estimated queue wait at the measured "
+        "service rate exceeds S seconds (default: only its own timeout is checked)",
+        type=float,
+        metavar="S",
     ),
     Flag("--max-body-bytes", ("max_body_bytes",), "largest request body", type=int, metavar="N"),
     Flag("--max-prompt-chars", ("max_prompt_chars",), "longest prompt", type=int, metavar="N"),

@@ -526,7 +526,12 @@ class _Daemon:
 
         c = self.config
         try:
-            pool = EnginePool(c.engine, replicas=c.replicas, max_queue_len=c.max_queue_len)
+            pool = EnginePool(
+                c.engine,
+                replicas=c.replicas,
+                max_queue_len=c.max_queue_len,
+                max_queue_wait_s=c.max_queue_wait_s,
+            )
             app = self._build_app(pool)
             self.max_connections, warning = fit_connection_cap(c.max_connections)
             if warning is not None:

@@ -18,7 +18,10 @@ Fields of ``POST /v1/images/generations`` (all optional but ``prompt``; ``null``
     output_compression  int 0..100: JPEG/WebP quality (ignored for PNG)
     user, safety_identifier   str, ignored
     stream              bool; partial_images int 0..3 (previews streamed before the result)
-    timeout             seconds > 0: past it the request is aborted (HTTP 504)
+    timeout             seconds > 0: past it the request is aborted (HTTP 504); it is the
+                        request's deadline_s, so the engine stops it within one step
+    priority            int (lower runs first under --scheduling-policy priority; the
+                        engine's min_priority..max_priority, default -10..10)
     num_inference_steps int 1..max_steps      } diffusion extensions
     guidance_scale      finite number >= 0    }
     negative_prompt     str                   }
@@ -85,6 +88,7 @@ _KNOWN_FIELDS = frozenset(
         "stream",
         "partial_images",
         "timeout",
+        "priority",
         "num_inference_steps",
         "guidance_scale",
         "negative_prompt",
@@ -308,6 +312,8 @@ def parse_generation_request(
         raise _bad("guidance_scale", f"guidance_scale must be >= 0, got {guidance}")
     negative = _str(body, "negative_prompt", limits.max_prompt_chars)
     seed = _int(body, "seed", 0, MAX_SEED, None)
+    # The range is the engine's (min_priority..max_priority), checked at admission.
+    priority = _int(body, "priority", -(2**31), 2**31 - 1, None)
 
     changes: dict[str, Any] = {
         "height": height,
@@ -320,6 +326,10 @@ def parse_generation_request(
         changes["num_inference_steps"] = steps
     if guidance is not None:
         changes["guidance_scale"] = guidance
+    if priority is not None:
+        changes["priority"] = priority
+    if timeout is not None:
+        changes["deadline_s"] = timeout
     return ParsedRequest(
         prompt=prompt,
         params=SamplingParams(**changes),

@@ -25,6 +25,8 @@ every lookup (:meth:`~EnginePool.abort`, :meth:`~EnginePool.progress`,
 Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
 
     QueueFullError    in-flight requests reached max_queue_len (HTTP 429)
+    QueueWaitError    the estimated queue wait already exceeds the request's deadline, or
+                      max_queue_wait_s (HTTP 503)
     DrainingError     the pool stopped admitting (shutdown drain) (HTTP 503)
     NotReadyError     no replica is open and healthy right now (HTTP 503)
 
@@ -36,8 +38,9 @@ refused with :class:`~omni_trio.errors.InvalidConfigError`; run several daemons 
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -78,6 +81,12 @@ __all__ = [
 ]
 
 FINISHED_IDS_KEPT = 10_000
+# The service rate is measured over the last completions: at most this many, this recent.
+RATE_WINDOW = 64
+RATE_WINDOW_S = 60.0
+# Retry-After (seconds) without a measured rate, and its bounds with one.
+DEFAULT_RETRY_AFTER_S = 2
+MAX_RETRY_AFTER_S = 60
 
 
 class QueueFullError(OmniTrioError):
@@ -90,6 +99,45 @@ class QueueFullError(OmniTrioError):
         )
         self.in_flight = in_flight
         self.max_queue_len = max_queue_len
+
+
+class ServiceRate:
+    """Requests completed per second, measured over the last ``window`` completions of the
+    last ``window_s`` seconds.  Pure: the caller passes the time."""
+
+    def __init__(self, window: int = RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+        self._window_s = window_s
+
+    def record(self, now: float) -> None:
+        """One request completed at ``now``."""
+        self._times.append(now)
+
+    def rate(self, now: float) -> float | None:
+        """Completions per second (None: fewer than two in the window).  The time since
+        the last completion counts, so a rate measured before a stall decays instead of
+        staying optimistic."""
+        times = self._times
+        while times and now - times[0] > self._window_s:
+            times.popleft()
+        if len(times) < 2:
+            return None
+        span = now - times[0]
+        return (len(times) - 1) / span if span > 0 else None
+
+
+class QueueWaitError(OmniTrioError):
+    """A request would wait longer in the queue than it may (its ``deadline_s``, or the
+    pool's ``max_queue_wait_s``): refused now rather than timed out later."""
+
+    def __init__(self, estimate_s: float, limit_s: float, what: str) -> None:
+        super().__init__(
+            f"the estimated queue wait ({estimate_s:.1f} s, from the measured service rate) "
+            f"exceeds {what} ({limit_s:g} s); retry later"
+        )
+        self.estimate_s = estimate_s
+        self.limit_s = limit_s
+        self.what = what
 
 
 class DrainingError(OmniTrioError):
@@ -138,6 +186,7 @@ class PooledStream:
         self.owner = owner
         self.public_id = inner.request_id if public_id is None else public_id
         self.abort_reason: str | None = None
+        self.completed = False  # its terminal output was a success (the service rate counts it)
         self._on_done: Callable[[PooledStream], None] | None = on_done
 
     @property
@@ -169,6 +218,7 @@ class PooledStream:
             self._release()
             raise
         if output.finished:
+            self.completed = output.ok
             self._release()
         return output
 
@@ -255,6 +305,7 @@ class EnginePool:
         *,
         replicas: int = 1,
         max_queue_len: int = 64,
+        max_queue_wait_s: float | None = None,
         restart_policy: RestartPolicy | None = None,
         trace_factory: Callable[[int], TraceRecorder | None] | None = None,
     ) -> None:
@@ -278,9 +329,21 @@ class EnginePool:
                 "engine per process; use inproc or ray replicas, or run several daemons",
                 field="replicas",
             )
+        if max_queue_wait_s is not None and (
+            isinstance(max_queue_wait_s, bool)
+            or not isinstance(max_queue_wait_s, int | float)
+            or not 0 < max_queue_wait_s < float("inf")
+        ):
+            raise InvalidConfigError(
+                f"max_queue_wait_s must be a number of seconds > 0 or None, "
+                f"got {max_queue_wait_s!r}",
+                field="max_queue_wait_s",
+            )
         self.engine_config = engine_config
         self.replicas = replicas
         self.max_queue_len = max_queue_len
+        self.max_queue_wait_s = max_queue_wait_s
+        self._service = ServiceRate()
         self.restart_policy = restart_policy or RestartPolicy()
         self._trace_factory = trace_factory
         self._replicas = [_Replica(i) for i in range(replicas)]
@@ -409,6 +472,7 @@ class EnginePool:
             raise DrainingError("the server is draining and admits no new requests")
         if len(self._active) >= self.max_queue_len:
             raise QueueFullError(len(self._active), self.max_queue_len)
+        self._check_queue_wait(params)
         public = request_id if request_id is not None else new_request_id()
         rid = engine_request_id(public, owner)
         if rid in self._active:
@@ -427,10 +491,54 @@ class EnginePool:
             self._idle = trio.Event()
         return Submission(public, replica.index, stream, inner.seed)
 
+    # -- the service rate -------------------------------------------------------------------
+
+    def service_rate(self) -> float | None:
+        """Requests the pool completed per second, over the last :data:`RATE_WINDOW`
+        completions of the last :data:`RATE_WINDOW_S` seconds (None: too few measured)."""
+        return self._service.rate(trio.current_time())
+
+    def estimated_wait_s(self) -> float | None:
+        """How long a request admitted now would wait behind the requests in flight, at
+        the measured service rate (None: nothing measured yet)."""
+        rate = self.service_rate()
+        return None if rate is None else len(self._active) / rate
+
+    def retry_after_s(self) -> int:
+        """What a refused client should wait before trying again (``Retry-After``): the
+        time for the requests over the limit to be served at the measured rate, at least
+        1 s and at most :data:`MAX_RETRY_AFTER_S`; :data:`DEFAULT_RETRY_AFTER_S` with
+        nothing measured."""
+        rate = self.service_rate()
+        if rate is None:
+            return DEFAULT_RETRY_AFTER_S
+        excess = max(1, len(self._active) - self.max_queue_len + 1)
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate))))
+
+    def _check_queue_wait(self, params: SamplingParams) -> None:
+        """Refuse a request whose estimated queue wait already exceeds its own deadline
+        or ``max_queue_wait_s`` (:class:`QueueWaitError`); nothing is checked before a rate
+        is measured."""
+        limits = []
+        if params.deadline_s is not None:
+            limits.append((params.deadline_s, "the request's timeout"))
+        if self.max_queue_wait_s is not None:
+            limits.append((self.max_queue_wait_s, "max_queue_wait_s"))
+        if not limits:
+            return
+        wait = self.estimated_wait_s()
+        if wait is None:
+            return
+        limit, what = min(limits)
+        if wait > limit:
+            raise QueueWaitError(wait, limit, what)
+
     def _release(self, stream: PooledStream) -> None:
         rid = stream.engine_request_id
         if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
             return
+        if stream.completed:
+            self._service.record(trio.current_time())
         del self._active[rid]
         self._replicas[stream.replica].in_flight -= 1
         key = (stream.owner, stream.public_id)

@@ -5,7 +5,8 @@ executor, the result pump and every consumer around one :class:`EngineCore`, wit
 every event the core takes: admit (fresh and reused ids), schedule, a forward's result (ok,
 announced output, error, aborted, missing, stray results for unscheduled ids), an execution
 error, an output arriving, failing or being lost, a late arrival for something dropped,
-time passing past output deadlines, abort, consumer drop, step-boundary preemption, group
+time passing past output and request deadlines, abort, consumer drop, step-boundary
+preemption (asked for, or the "priority" policy's own), group
 failure and restart, a late answer to a forward that was written off, close and death (each
 followed by a fresh core, so an example goes on).  Time is a number it advances; nothing
 sleeps.
@@ -22,7 +23,13 @@ After every rule it checks
   running request stops its forward; no request is retried past its budget; no PACKING
   request outlives its deadline once time has passed it; a worker group is never asked to
   go on with step state it does not hold (a cached id needs state the *current* group got);
-  a written-off forward's late answer changes nothing but to drop what it announced.
+  a written-off forward's late answer changes nothing but to drop what it announced; no
+  request outlives its ``deadline_s`` once time has passed it, and one that ends by it ends
+  ``FINISHED_ABORTED`` with ``RequestTimeoutError``; a request preempted for priority keeps
+  its progress.
+
+Requests get random priorities and deadlines; ``CoreMachineOptions.scheduling_policy`` picks
+the policy the core schedules with.
 
 The fakes encode identity into everything they produce (an image is ``("img", request_id,
 seed)``), so a result handed to the wrong request is caught by INV-5.  Extend the machine
@@ -80,6 +87,8 @@ class CoreMachineOptions:
     max_num_seqs: int = 2
     max_retries: int = 1
     streaming_output: bool = True
+    scheduling_policy: str = "fifo"  # "fifo", "priority" or "fair"
+    max_preempted_states: int = 1  # "priority", step mode: past it a preemption drops state
 
 
 @dataclass
@@ -125,6 +134,9 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                     max_retries_on_worker_failure=opts.max_retries,
                     fault_injection=False,
                     output_timeout_s=_OUTPUT_TIMEOUT_S,
+                    scheduling_policy=opts.scheduling_policy,
+                    priority_aging_ticks=8,
+                    max_preempted_states=opts.max_preempted_states,
                 ),
                 trace=self.trace,
                 seed=7 + self.cores,
@@ -142,6 +154,8 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             # The current group's step state: request id -> steps it has run.
             self.worker_holds: dict[str, int] = {}
             self.strays: set[str] = set()  # ids of the stray results the fake executor sent
+            # Live incarnations with a deadline_s: request id -> (absolute deadline, state).
+            self.deadlines: dict[str, tuple[float, Any]] = {}
             self.core.group_started(_INFO, self.now)
 
         @property
@@ -209,6 +223,8 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             size=st.sampled_from([None, 32, 64]),
             dt=st.sampled_from([0.0, 0.0, 0.1]),
             then_run=st.integers(0, 3),
+            priority=st.sampled_from([0, 1, 2, -1, -2]),
+            deadline=st.sampled_from([None, None, None, 0.3, 1.0]),
         )
         def admit(
             self,
@@ -218,20 +234,44 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             size: int | None,
             dt: float,
             then_run: int,
+            priority: int,
+            deadline: float | None,
         ) -> str:
             """Admit a request, and maybe let the loop turn a few times right away."""
             self.advance(dt)
             self.counter += 1
-            rid = self._admit(f"r{self.counter}", steps, seed, size)
+            rid = self._admit(f"r{self.counter}", steps, seed, size, priority, deadline)
             if then_run and self.dispatch is None and self.core.has_work():
                 self.run_ticks(data, then_run)
             return rid
 
-        def _admit(self, rid: str, steps: int, seed: int | None, size: int | None) -> str:
-            params = SamplingParams(num_inference_steps=steps, seed=seed, height=size, width=size)
+        def _admit(
+            self,
+            rid: str,
+            steps: int,
+            seed: int | None,
+            size: int | None,
+            priority: int = 0,
+            deadline: float | None = None,
+        ) -> str:
+            params = SamplingParams(
+                num_inference_steps=steps,
+                seed=seed,
+                height=size,
+                width=size,
+                priority=priority,
+                deadline_s=deadline,
+            )
             request = self.core.build_request(DiffusionRequest("p", params, rid))
             admitted = self.core.admit(request, self.now)
-            note(f"admit {rid} steps={steps} seed={admitted.sampling.seed}")
+            note(
+                f"admit {rid} steps={steps} seed={admitted.sampling.seed} "
+                f"priority={priority} deadline={deadline}"
+            )
+            self.deadlines.pop(rid, None)
+            if deadline is not None:
+                state = self.core.scheduler.get_request_state(rid)
+                self.deadlines[rid] = (self.now + deadline, state)
             if seed is not None:
                 assert admitted.sampling.seed == seed, "an explicit seed was replaced"
             assert (admitted.sampling.height, admitted.sampling.width) == (
@@ -254,6 +294,40 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
                     return
                 raise AssertionError(f"live {rid} admitted twice")
             self._admit(rid, steps, 1, None)
+
+        @precondition(
+            lambda self: (
+                opts.scheduling_policy == "priority"
+                and not self.ended
+                and self.dispatch is None
+                and self.core.scheduler.num_running > 0
+            )
+        )
+        @rule(target=ids, steps=st.integers(1, 3), other_shape=st.booleans())
+        def urgent_arrival(self, steps: int, other_shape: bool) -> str:
+            """A request better than anything running arrives and the loop turns once: in
+            step mode it preempts a running one at this boundary (progress kept, or past the
+            state budget dropped), and the preempted request later resumes or restarts."""
+            running = set(self.core.scheduler.running_request_ids())
+            first = self.core.scheduler.get_request_state(next(iter(running)))
+            assert first is not None
+            height = first.request.sampling.height
+            size = (32 if height != 32 else 64) if other_shape else height
+            self.counter += 1
+            rid = self._admit(f"r{self.counter}", steps, None, size, priority=-5)
+            progress = {
+                r: s.num_computed_steps
+                for r in running
+                if (s := self.core.scheduler.get_request_state(r)) is not None
+            }
+            self.schedule(0.0)
+            for r in running:
+                state = self.core.scheduler.get_request_state(r)
+                if state is not None and state.status is _S.PREEMPTED and state.sent_to_worker:
+                    assert state.num_computed_steps == progress[r], (
+                        f"{r} lost its progress when preempted"
+                    )
+            return rid
 
         # -- rules: execution ------------------------------------------------------------
 
@@ -425,6 +499,20 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             self.apply(instructions)
             deadline = self.core.next_deadline()
             assert deadline is None or deadline > self.now, "a deadline passed unexpired"
+            for rid, (at, state) in list(self.deadlines.items()):
+                if self.core.scheduler.get_request_state(rid) is not state:
+                    del self.deadlines[rid]  # ended (and popped), or a new incarnation
+                    continue
+                assert at > self.now or not self.core.is_live(rid), (
+                    f"{rid} outlived its deadline ({at:.2f} <= now {self.now:.2f})"
+                )
+            timed_out = [
+                i
+                for i in instructions
+                if isinstance(i, DeliverTerminal) and i.output.error_type == "RequestTimeoutError"
+            ]
+            for ins in timed_out:
+                assert ins.output.status is _S.FINISHED_ABORTED, ins.output
 
         # -- rules: aborts and consumers -------------------------------------------------
 

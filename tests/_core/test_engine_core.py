@@ -693,3 +693,65 @@ def test_restarts_count_groups_that_started_again() -> None:
     assert core.health().restarts == 0  # during the backoff nothing has restarted yet
     core.group_started(INFO, 2.0)
     assert (core.health().restarts, core.statistics().restarts) == (1, 1)
+
+
+# -- deadlines (SamplingParams.deadline_s) ---------------------------------------------------
+
+
+def _timed_out(instructions: list[Instruction]) -> dict[str, str | None]:
+    return {
+        i.request_id: i.output.error_type
+        for i in instructions
+        if isinstance(i, DeliverTerminal) and i.output.status is S.FINISHED_ABORTED
+    }
+
+
+@pytest.mark.parametrize("step_execution", [False, True])
+def test_a_request_past_its_deadline_is_aborted_with_a_timeout_waiting_or_running(
+    step_execution: bool,
+) -> None:
+    """The earliest deadline is the next wake-up; at it a waiting request ends at once and
+    a running one is told to stop (its late result dropped); both FINISHED_ABORTED with
+    RequestTimeoutError, all their state released, and a request that finished in time
+    leaves no deadline behind."""
+    core, trace = make(step_execution=step_execution, max_num_seqs=1)
+    admit(core, "running", 0.0, deadline_s=5.0)
+    admit(core, "waiting", 0.0, deadline_s=2.0)
+    admit(core, "in-time", 0.0, deadline_s=50.0)
+    assert core.next_deadline() == 2.0
+    out = schedule(core, 1.0)
+    assert out.scheduled_request_ids == ("running",)
+    assert core.expire(1.9) == []
+    ended = core.expire(2.0)
+    assert _timed_out(ended) == {"waiting": "RequestTimeoutError"}
+    [terminal] = [i for i in ended if isinstance(i, DeliverTerminal)]
+    assert "deadline of 2 s" in (terminal.output.error or "")
+    assert core.next_deadline() == 5.0
+    ended = core.expire(5.5)
+    assert isinstance(ended[0], StopForwards) and ended[0].request_ids == ("running",)
+    assert _timed_out(ended) == {"running": "RequestTimeoutError"}
+    late = RunnerOutput("running", images=["i"], step_index=2, finished=True)
+    assert terminals(core.runner_output(out, result(late), 5.6)) == {}
+    out = schedule(core, 6.0)
+    assert out.scheduled_request_ids == ("in-time",)
+    done = RunnerOutput("in-time", images=["i"], step_index=2, finished=True)
+    assert terminals(core.runner_output(out, result(done), 7.0)) == {
+        "in-time": S.FINISHED_COMPLETED
+    }
+    assert core.next_deadline() is None
+    assert core.expire(100.0) == []
+    assert [e.detail["reason"] for e in trace if e.kind is K.ABORT] == ["deadline", "deadline"]
+    assert_clean(core, trace)
+
+
+def test_a_deadline_belongs_to_its_incarnation_not_its_id() -> None:
+    """A request that ended and an id reused by a new request: the old deadline does not
+    abort the new one."""
+    core, trace = make()
+    admit(core, "a", 0.0, deadline_s=3.0)
+    core.abort(["a"], 1.0)
+    admit(core, "a", 1.0, deadline_s=10.0)
+    assert core.next_deadline() == 11.0
+    assert core.expire(3.0) == []
+    assert _timed_out(core.expire(11.0)) == {"a": "RequestTimeoutError"}
+    assert_clean(core, trace)

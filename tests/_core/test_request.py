@@ -99,6 +99,10 @@ def test_total_steps_precedence(kwargs: dict[str, Any], expected: int) -> None:
         {"timesteps": (999.0, 500.0, 1.0)},
         {"sigmas": tuple(float(i) for i in range(50))},
         {"extra_args": {"flow_shift": 3.0}},
+        {"priority": -10},
+        {"priority": 10},
+        {"deadline_s": 0.5},
+        {"deadline_s": 3600},
         *({"output_type": t} for t in OUTPUT_TYPES),
     ],
     ids=repr,
@@ -311,3 +315,23 @@ def test_extra_args_must_be_a_mapping(extra: Any) -> None:
 def test_first_failing_rule_is_reported() -> None:
     # A request wrong in several ways names the first field checked: the id.
     assert_rejected(make_request(request_id="", height=3, seed=-1), "request_id")
+
+
+# -- priority and deadline ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("priority", [11, -11, 1.5, True, "1", None], ids=repr)
+def test_bad_priority(priority: Any) -> None:
+    assert_rejected(make_request(priority=priority), "priority")
+
+
+def test_the_priority_range_is_the_limits_one() -> None:
+    limits = RequestLimits(min_priority=0, max_priority=2)
+    msg = assert_rejected(make_request(priority=3), "priority", limits)
+    assert "0..2" in msg
+    validate_request(make_request(priority=2), limits)
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), True, "5"], ids=repr)
+def test_bad_deadline(deadline: Any) -> None:
+    assert_rejected(make_request(deadline_s=deadline), "deadline_s")

@@ -311,3 +311,53 @@ async def test_a_restart_whose_worker_dies_or_hangs_while_starting_is_retried(
             out = await engine.generate("p", params(seed=4), request_id="after")
             assert decode_echo_image(out.images[0]) == ("after", 4, 0)
             assert engine.health().restarts >= 2
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+async def test_the_scheduling_policies_run_on_worker_processes(
+    backend: str, cache_dir: Path, policy: str
+) -> None:
+    """Step mode on worker processes, one slot.  ``priority``: a better request arriving
+    while a worse one runs finishes first (it preempted the worse one at a step boundary:
+    without preemption it would wait for all 40 steps), and the worse one resumes from the
+    state its worker kept and ends with its own image.  ``fair``: a 64x64 request queued
+    behind five 32x32 ones runs before the last of them (FIFO would run it last)."""
+    finished: list[str] = []
+    results: dict[str, Any] = {}
+
+    async def read(stream: Any) -> None:
+        async with stream:
+            outs = [out async for out in stream]
+        results[stream.request_id] = outs[-1]
+        finished.append(stream.request_id)
+
+    with trio.fail_after(CAP_S):
+        async with (
+            engine_on(
+                backend, cache_dir, step_execution=True, max_num_seqs=1, scheduling_policy=policy
+            ) as engine,
+            trio.open_nursery() as nursery,
+        ):
+            # Admitted here, in this order (stream() admits at once); read in tasks.
+            if policy == "priority":
+                low = params(40, seed=1, delay=0.02).replace(priority=5)
+                nursery.start_soon(read, engine.stream("p", low, request_id="low"))
+                await poll_until(lambda: (engine.progress("low") or (0, 0))[0] >= 2)
+                high = params(2, seed=2).replace(priority=-5)
+                nursery.start_soon(read, engine.stream("p", high, request_id="high"))
+            else:
+                small = params(3, seed=1, delay=0.02)
+                nursery.start_soon(read, engine.stream("p", small, request_id="s0"))
+                await poll_until(lambda: engine.progress("s0") is not None)
+                for index in range(1, 6):
+                    sp = small.replace(seed=index)
+                    nursery.start_soon(read, engine.stream("p", sp, request_id=f"s{index}"))
+                big = params(3, seed=9, delay=0.02).replace(height=64, width=64)
+                nursery.start_soon(read, engine.stream("p", big, request_id="big"))
+    assert all(out.ok for out in results.values()), results
+    if policy == "priority":
+        assert finished == ["high", "low"], finished
+        assert decode_echo_image(results["low"].images[0]) == ("low", 1, 0)
+        assert decode_echo_image(results["high"].images[0]) == ("high", 2, 0)
+    else:
+        assert finished.index("big") < len(finished) - 1, finished

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -34,6 +34,7 @@ from omni_trio import (
     RequestAbortedError,
     RequestFailedError,
     RequestStatus,
+    RequestTimeoutError,
     SamplingParams,
     StallError,
     WorkerError,
@@ -1514,3 +1515,46 @@ async def test_a_stale_stream_of_a_reused_id_never_touches_its_next_incarnation(
             executor.release()
             outputs = [o async for o in new]
     assert [(o.status, o.seed) for o in outputs] == [(S.FINISHED_COMPLETED, 2)]
+
+
+async def wait_for(predicate: Callable[[], bool]) -> None:
+    """Poll a condition of the engine (a statistics snapshot has no event to wait on)."""
+    while not predicate():  # noqa: ASYNC110
+        await trio.sleep(0.005)
+
+
+@pytest.mark.parametrize("step_execution", [False, True])
+async def test_a_deadline_stops_a_running_and_a_queued_request_with_a_timeout_error(
+    cache_dir: Path, step_execution: bool
+) -> None:
+    """``deadline_s`` on the real inproc echo (1000 steps of 50 ms, far past the test's cap
+    if it ran on): the running request stops at its next step and the one queued behind it
+    ends at its own deadline, both with RequestTimeoutError (an abort, not a failure);
+    the engine then serves the next request."""
+    with trio.fail_after(CAP_S):
+        async with echo_engine(
+            cache_dir,
+            model_options={"step_delay_s": 0.05},
+            step_execution=step_execution,
+            max_num_seqs=1,
+        ) as engine:
+            errors: dict[str, Exception] = {}
+
+            async def run(rid: str, deadline: float) -> None:
+                long = params(num_inference_steps=1000, deadline_s=deadline)
+                try:
+                    await engine.generate("p", long, request_id=rid)
+                except RequestAbortedError as exc:
+                    errors[rid] = exc
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "running", 0.5)
+                await wait_for(lambda: engine.statistics().running == 1)
+                nursery.start_soon(run, "queued", 0.2)
+            assert sorted(errors) == ["queued", "running"]
+            for error in errors.values():
+                assert isinstance(error, RequestTimeoutError), error
+                assert "deadline" in str(error) and isinstance(error, TimeoutError)
+            assert (await engine.generate("p", params(), request_id="next")).ok
+            stats = engine.statistics()
+            assert (stats.finished_aborted, stats.finished_completed) == (2, 1)

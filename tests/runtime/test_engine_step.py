@@ -35,6 +35,7 @@ from omni_trio import (
     open_engine,
 )
 from omni_trio._core.messages import BatchRunnerOutput, SchedulerOutput
+from omni_trio._core.trace import TraceKind, TraceRecorder
 from omni_trio.models import StepState, load_model
 from omni_trio.models.echo import EchoModel, EchoStepAdapter, decode_echo_image
 from omni_trio.runtime.request_stream import RequestStream
@@ -717,3 +718,123 @@ async def test_continuous_batching_matches_request_mode_and_repeats_bit_for_bit(
         np.testing.assert_array_equal(first[rid], second[rid])
     # Batching really changed the numerics somewhere (or this test proves nothing new).
     assert any(not np.array_equal(first[rid], reference[rid]) for rid in jobs)
+
+
+# ---------------------------------------------------------------------------------------
+# Priority: step-boundary preemption.
+# ---------------------------------------------------------------------------------------
+
+
+async def test_a_better_priority_preempts_at_the_next_step_and_the_worse_one_resumes(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    """``scheduling_policy="priority"``, one slot: a request of better priority arriving
+    while a worse one runs takes the slot at the next step boundary; the worse one keeps its
+    progress (its step state stays on the worker) and resumes where it stopped, ending with
+    its own image after the better one finished."""
+    with trio.fail_after(CAP_S):
+        async with gated_step_engine(
+            monkeypatch, cache_dir, max_num_seqs=1, scheduling_policy="priority"
+        ) as (engine, spy, gate):
+            low = engine.stream("p", params(5, seed=1, priority=5), request_id="low")
+            await gate.wait_for_step(("low",), 1)
+            gate.release()
+            await gate.wait_for_step(("low",), 2)  # the second tick is held
+            high = engine.stream("p", params(2, seed=2, priority=-5), request_id="high")
+            gate.release()
+            await gate.wait_for_step(("high",), 1)
+            assert engine.status("low") is S.PREEMPTED
+            assert engine.progress("low") == (2, 5)  # kept while it waits
+            gate.open()
+            high_out, low_out = await collect(high), await collect(low)
+    assert echo_of(high_out[-1]) == ("high", 2, 0)
+    assert echo_of(low_out[-1]) == ("low", 1, 0)
+    assert gate.forwards == [("low",)] * 2 + [("high",)] * 2 + [("low",)] * 3
+    # It resumed as a cached id (its state was kept), never sent again.
+    sent = [r.request_id for out in spy.outputs for r in out.scheduled_new_reqs]
+    assert sent == ["low", "high"]
+
+
+async def test_past_the_preempted_state_budget_a_preempted_request_restarts_from_step_0(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    """``max_preempted_states=0``: the preempted request gives its step state up (the
+    workers evict it at the next tick) and runs all its steps again, from its payload."""
+    with trio.fail_after(CAP_S):
+        async with gated_step_engine(
+            monkeypatch,
+            cache_dir,
+            max_num_seqs=1,
+            scheduling_policy="priority",
+            max_preempted_states=0,
+        ) as (engine, spy, gate):
+            low = engine.stream("p", params(5, seed=1, priority=5), request_id="low")
+            await gate.wait_for_step(("low",), 1)
+            gate.release()
+            await gate.wait_for_step(("low",), 2)
+            high = engine.stream("p", params(2, seed=2, priority=-5), request_id="high")
+            gate.release()
+            await gate.wait_for_step(("high",), 1)
+            assert engine.status("low") is S.PREEMPTED
+            gate.open()
+            high_out, low_out = await collect(high), await collect(low)
+    assert echo_of(high_out[-1]) == ("high", 2, 0)
+    assert echo_of(low_out[-1]) == ("low", 1, 0)
+    assert gate.forwards == [("low",)] * 2 + [("high",)] * 2 + [("low",)] * 5
+    sent = [r.request_id for out in spy.outputs for r in out.scheduled_new_reqs]
+    assert sent == ["low", "high", "low"]
+    assert "low" in spy.outputs[2].finished_req_ids  # evicted at the tick after the preemption
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["state-kept", "state-dropped"])
+async def test_a_preempted_request_gives_exactly_the_image_it_gives_uninterrupted(
+    cache_dir: Path, kept: bool
+) -> None:
+    """The real ``builtin:shapes`` pipeline in step mode: a 12-step request preempted for
+    a better one mid-way resumes from its kept latents and scheduler state (or, past the
+    state budget, starts again from step 0), and its image is bit for bit the one the same
+    seed gives uninterrupted."""
+    prompt = "a red circle"
+    steps, seed = 12, 3
+
+    async def uninterrupted() -> np.ndarray:
+        async with open_engine(
+            EngineConfig(
+                model="builtin:shapes",
+                cache_dir=str(cache_dir),
+                step_execution=True,
+                torch_threads=1,
+                warmup=False,
+            )
+        ) as engine:
+            out = await engine.generate(prompt, params(steps, seed=seed), request_id="alone")
+        return np.asarray(out.images[0])
+
+    with trio.fail_after(CAP_S * 4):
+        expected = await uninterrupted()
+        trace = TraceRecorder()
+        async with open_engine(
+            EngineConfig(
+                model="builtin:shapes",
+                cache_dir=str(cache_dir),
+                step_execution=True,
+                torch_threads=1,
+                warmup=False,
+                max_num_seqs=1,
+                scheduling_policy="priority",
+                max_preempted_states=16 if kept else 0,
+            ),
+            trace=trace,
+        ) as engine:
+            low = engine.stream(prompt, params(steps, seed=seed, priority=3), request_id="low")
+            while (engine.progress("low") or (0, 0))[0] < 3:  # noqa: ASYNC110
+                await trio.sleep(0.005)
+            high = await engine.generate("a blue square", params(4, seed=9, priority=-3))
+            async with low:
+                outs = [o async for o in low]
+    assert high.ok and outs[-1].ok
+    preempted = [e for e in trace if e.kind is TraceKind.PREEMPT and e.request_id == "low"]
+    assert preempted and preempted[0].detail["reason"] == "priority"
+    assert preempted[0].detail["progress"] >= 3
+    assert preempted[0].detail.get("state_dropped", False) is not kept
+    np.testing.assert_array_equal(np.asarray(outs[-1].images[0]), expected)

@@ -543,6 +543,41 @@ async def test_a_request_timeout_aborts_it_with_504(server: Server) -> None:
 # -- admission ------------------------------------------------------------------------------
 
 
+async def test_a_timeout_the_queue_cannot_meet_is_refused_at_once_with_503() -> None:
+    """Once a service rate is measured, a generation whose timeout is shorter than its
+    estimated wait behind the requests in flight gets 503 ``queue_wait_too_long`` with a
+    Retry-After at once, instead of waiting and timing out; a full queue's 429 carries a
+    Retry-After from the same rate."""
+    with trio.fail_after(CAP_S):
+        async with run_server(max_queue_len=2) as server, server.client() as client:
+            for _ in range(3):
+                assert (await generate(client)).status_code == 200
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    lambda: generate(
+                        client, num_inference_steps=LONG, headers={"X-Request-Id": "q1"}
+                    )
+                )
+                await wait_until(lambda: server.pool.in_flight == 1)
+                wait = server.pool.estimated_wait_s()
+                assert wait is not None
+                r = await generate(client, timeout=wait / 10)
+                assert_envelope(r, 503, param="timeout", code="queue_wait_too_long")
+                assert 1 <= int(r.headers["retry-after"]) <= 60
+                nursery.start_soon(
+                    lambda: generate(
+                        client, num_inference_steps=LONG, headers={"X-Request-Id": "q2"}
+                    )
+                )
+                await wait_until(lambda: server.pool.in_flight == 2)
+                r = await generate(client)
+                assert_envelope(r, 429, code="queue_full")
+                assert 1 <= int(r.headers["retry-after"]) <= 60
+                for rid in ("q1", "q2"):
+                    assert (await client.delete(f"/v1/requests/{rid}")).status_code == 200
+        assert server.pool.in_flight == 0
+
+
 async def test_a_full_queue_answers_429_with_retry_after() -> None:
     with trio.fail_after(CAP_S):
         async with run_server(max_queue_len=1) as server, server.client() as client:
@@ -1194,6 +1229,7 @@ CORPUS: list[tuple[str, str, str, Any, Any, int, Any, Any]] = [
     ),
     ("negative timeout", "POST", GEN, body(timeout=-3), J, 400, "timeout", "invalid_value"),
     ("string timeout", "POST", GEN, body(timeout="soon"), J, 400, "timeout", "invalid_type"),
+    ("priority too low", "POST", GEN, body(priority=-11), J, 400, "priority", "invalid_value"),
     ("unknown field", "POST", GEN, body(foo=1), J, 400, "foo", "unknown_parameter"),
     ("proto field", "POST", GEN, body(__proto__={}), J, 400, "__proto__", "unknown_parameter"),
     (

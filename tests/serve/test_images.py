@@ -66,9 +66,11 @@ def test_every_field_maps() -> None:
             "guidance_scale": 3,
             "negative_prompt": "dogs",
             "seed": MAX_SEED,
+            "priority": -3,
         }
     )
     sp = p.params
+    assert (sp.priority, sp.deadline_s) == (-3, 1.5)  # the timeout is the engine's deadline
     assert (sp.width, sp.height, sp.num_inference_steps, sp.guidance_scale) == (128, 64, 7, 3.0)
     assert (sp.negative_prompt, sp.seed, sp.num_outputs_per_prompt) == ("dogs", MAX_SEED, 3)
     assert (p.n, p.response_format, p.output_format, p.output_compression) == (3, "url", "webp", 50)
@@ -129,6 +131,9 @@ BAD: list[tuple[Any, int, str | None, str]] = [
     ({"prompt": "x", "timeout": -1}, 400, "timeout", "invalid_value"),
     ({"prompt": "x", "timeout": math.inf}, 400, "timeout", "invalid_value"),
     ({"prompt": "x", "timeout": "5"}, 400, "timeout", "invalid_type"),
+    ({"prompt": "x", "priority": 1.5}, 400, "priority", "invalid_type"),
+    ({"prompt": "x", "priority": True}, 400, "priority", "invalid_type"),
+    ({"prompt": "x", "priority": 2**40}, 400, "priority", "invalid_value"),
     ({"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps", "invalid_value"),
     ({"prompt": "x", "num_inference_steps": -5}, 400, "num_inference_steps", "invalid_value"),
     ({"prompt": "x", "num_inference_steps": 201}, 400, "num_inference_steps", "invalid_value"),

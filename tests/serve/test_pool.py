@@ -31,6 +31,8 @@ from omni_trio.serve.pool import (
     EnginePool,
     NotReadyError,
     QueueFullError,
+    QueueWaitError,
+    ServiceRate,
     Submission,
     engine_request_id,
     new_request_id,
@@ -337,3 +339,60 @@ async def test_past_the_restart_limit_serve_raises() -> None:
         with pytest.raises(EngineDeadError):
             pool.submit("x", SHORT)
         assert pool.replica_engine(0) is None and pool.replica_engine(1) is None
+
+
+# -- the service rate, Retry-After and the queue-wait limit -----------------------------------
+
+
+def test_the_service_rate_is_measured_over_recent_completions() -> None:
+    meter = ServiceRate(window=4, window_s=10.0)
+    assert meter.rate(0.0) is None
+    meter.record(1.0)
+    assert meter.rate(1.0) is None  # one completion measures nothing
+    meter.record(1.5)
+    meter.record(2.0)
+    assert meter.rate(2.0) == pytest.approx(2 / 1.0)
+    assert meter.rate(3.0) == pytest.approx(2 / 2.0)  # a stall since decays the rate
+    for t in (3.0, 4.0, 5.0):
+        meter.record(t)
+    assert meter.rate(5.0) == pytest.approx(3 / 3.0)  # only the last 4 count
+    assert meter.rate(14.5) is None  # all but one older than the window
+
+
+async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> None:
+    """Before anything completed: the default Retry-After and no queue-wait check.  Once
+    requests completed: a request whose timeout is shorter than the estimated wait behind
+    the one in flight is refused with QueueWaitError (nothing admitted), and so is any
+    request past ``max_queue_wait_s``; Retry-After stays within its bounds."""
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), max_queue_len=2)) as pool:
+            assert pool.service_rate() is None and pool.estimated_wait_s() is None
+            assert pool.retry_after_s() == pool_module.DEFAULT_RETRY_AFTER_S
+            # Nothing measured: admitted (and then timed out by the engine).
+            early = await final_of(pool.submit("x", SHORT.replace(deadline_s=0.001)))
+            assert early.error_type == "RequestTimeoutError"
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            rate = pool.service_rate()
+            assert rate is not None and rate > 0
+            running = pool.submit("long", LONG)
+            wait = pool.estimated_wait_s()
+            assert wait is not None and wait >= 1 / rate
+            with pytest.raises(QueueWaitError, match="timeout") as info:
+                pool.submit("late", SHORT.replace(deadline_s=wait / 10))
+            assert info.value.estimate_s >= wait  # the rate only decays meanwhile
+            assert pool.in_flight == 1  # "late" was not admitted
+            assert 1 <= pool.retry_after_s() <= pool_module.MAX_RETRY_AFTER_S
+            pool.abort(running.request_id)
+            await final_of(running)
+        strict = EnginePool(echo_config(), max_queue_wait_s=1e-6)
+        async with serving(strict) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            running = pool.submit("long", LONG)
+            with pytest.raises(QueueWaitError, match="max_queue_wait_s"):
+                pool.submit("next", SHORT)
+            pool.abort(running.request_id)
+            await final_of(running)
+    with pytest.raises(InvalidConfigError, match="max_queue_wait_s"):
+        EnginePool(echo_config(), max_queue_wait_s=0)
