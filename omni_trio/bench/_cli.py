@@ -25,6 +25,7 @@ EXPERIMENTS = (
     "serve",
     "quality",
     "executors",
+    "policy",
 )
 
 _HELP = {
@@ -37,6 +38,7 @@ _HELP = {
     "serve": "the HTTP daemon under closed- and open-loop load vs the same model in-process",
     "quality": "builtin:shapes prompt adherence: colour and shape of seeded generations",
     "executors": "ray vs tractor vs inproc: per-request latency, throughput, startup",
+    "policy": "fifo vs priority vs fair under a seeded open-loop mixed trace at 0.7x-2x capacity",
 }
 
 
@@ -92,7 +94,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="run a benchmark: overhead, throughput, scheduler, steps, backends, recovery, serve, "
-        "quality or executors",
+        "quality, executors or policy",
         description="Benchmarks: warmup, interleaved repeated measurement, a table and JSON.",
     )
     configure_parser(parser)

@@ -62,7 +62,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -83,6 +83,14 @@ from ..errors import (
 )
 from .config import MIB
 from .http import HEAD_MAX_BYTES, SEND_CHUNK, SEND_DEADLINE, SendDeadline
+from .idempotency import (
+    DEFAULT_IDEMPOTENCY_MAX_BYTES,
+    DEFAULT_IDEMPOTENCY_TTL_S,
+    IdempotencyStore,
+    StoredResponse,
+    body_digest,
+    check_key,
+)
 from .images import (
     IGNORED_FIELDS_HEADER,
     ApiError,
@@ -296,6 +304,8 @@ class _Exchange:
     body_complete: bool = False  # the request body was read to its end
     response_headers: list[tuple[str, str]] = field(default_factory=list)
     detail: str | None = None  # for the log only, never for the client
+    submitted: bool = False  # a generation was admitted (it ran, or was meant to)
+    answer: bytes | None = None  # a generation's 200 JSON body (kept for Idempotency-Key)
 
     def header(self, name: str) -> str | None:
         values = self.headers.get(name)
@@ -368,6 +378,9 @@ class ImagesApp:
         store: ImageStore,
         metrics: ServeMetrics,
         api_keys: Sequence[str] = (),
+        priority_ranges: Mapping[str, tuple[int, int]] | None = None,
+        idempotency_ttl_s: float = DEFAULT_IDEMPOTENCY_TTL_S,
+        idempotency_max_bytes: int = DEFAULT_IDEMPOTENCY_MAX_BYTES,
         public_url: str | None = None,
         body_read_timeout_s: float = 30.0,
         send_timeout_s: float = 30.0,
@@ -384,8 +397,15 @@ class ImagesApp:
         # long as its request ids), and a log line never carries anything derived from a key
         # alone.
         self._owner_salt = secrets.token_bytes(32)
+        # The priorities a key may ask for, by its owner tag (the key itself is not kept).
+        self._priority_ranges = {
+            self._owner_of(key.encode()): bounds for key, bounds in (priority_ranges or {}).items()
+        }
         self.store = store
         self.metrics = metrics
+        self.idempotency = IdempotencyStore(
+            ttl_s=idempotency_ttl_s, max_bytes=idempotency_max_bytes
+        )
         self._public_url = public_url.rstrip("/") if public_url else None
         self.body_read_timeout_s = body_read_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -641,9 +661,31 @@ class ImagesApp:
         token it sent (the API key it authenticated with; without keys, its client token),
         or ``""`` (anonymous) without one."""
         given = self._given_key(ex)
-        if not given:
-            return ""
-        return hmac.new(self._owner_salt, given, hashlib.sha256).hexdigest()[:16]
+        return self._owner_of(given) if given else ""
+
+    def _owner_of(self, token: bytes) -> str:
+        return hmac.new(self._owner_salt, token, hashlib.sha256).hexdigest()[:16]
+
+    @staticmethod
+    def _keeps_answers(ex: _Exchange) -> bool:
+        return ex.header("idempotency-key") is not None
+
+    def _check_priority(self, ex: _Exchange, parsed: ParsedRequest) -> None:
+        """A key with a configured priority range may ask only for priorities within it
+        (400 ``priority_not_allowed``); every other request meets the engine's range."""
+        bounds = self._priority_ranges.get(ex.owner)
+        if bounds is None:
+            return
+        priority = parsed.params.priority
+        if not bounds[0] <= priority <= bounds[1]:
+            raise ApiError(
+                400,
+                f"priority {priority} is not allowed for this API key "
+                f"(allowed: {bounds[0]}..{bounds[1]})",
+                param="priority",
+                code="priority_not_allowed",
+                headers=_NO_RETRY,
+            )
 
     def _authenticate(self, ex: _Exchange) -> None:
         if not self._api_keys:
@@ -834,6 +876,7 @@ class ImagesApp:
         return parsed
 
     def _submit(self, ex: _Exchange, parsed: ParsedRequest) -> Submission:
+        self._check_priority(ex, parsed)
         try:
             return self.pool.submit(
                 parsed.prompt, parsed.params, request_id=ex.request_id, owner=ex.owner
@@ -887,13 +930,105 @@ class ImagesApp:
                 param="Content-Type",
                 code="unsupported_media_type",
             )
-        parsed = self._parse(ex, await self._read_body(ex, receive))
+        body = await self._read_body(ex, receive)
+        parsed = self._parse(ex, body)
+        key = ex.header("idempotency-key")
+        if key is None:
+            await self._generate_parsed(ex, parsed, receive, send, base_url)
+        else:
+            await self._generate_idempotent(ex, key, body, parsed, receive, send, base_url)
+
+    async def _generate_idempotent(
+        self,
+        ex: _Exchange,
+        key: str,
+        body: bytes,
+        parsed: ParsedRequest,
+        receive: Receive,
+        send: Send,
+        base_url: str,
+    ) -> None:
+        """``Idempotency-Key``: attach to the request this owner made with the key and the
+        same body (wait for it if it runs, then replay its answer: result, failure or
+        cancellation); 422 for the key with another body; else run it and keep its answer.
+        A request that never ran, or whose client left, keeps nothing: its key is free."""
+        problem = check_key(key)
+        if problem is not None:
+            raise ApiError(400, problem, param="Idempotency-Key", code="invalid_idempotency_key")
+        digest = body_digest(json.loads(body))
+        store, owner = self.idempotency, ex.owner
+        while (entry := store.lookup(owner, key, trio.current_time())) is not None:
+            if entry.digest != digest:
+                raise ApiError(
+                    422,
+                    "this Idempotency-Key was used with another request body; use a new key "
+                    "for a new request",
+                    param="Idempotency-Key",
+                    code="idempotency_key_reused",
+                    headers=_NO_RETRY,
+                )
+            if not entry.done.is_set():
+                await entry.done.wait()  # the first request's own limits bound this
+                continue  # ended: replay it, or (it kept nothing) run this one
+            await self._replay(ex, send, entry.request_id, entry.response)
+            return
+        entry = store.begin(owner, key, digest, ex.request_id)
+        kept: StoredResponse | None = None
+        try:
+            await self._generate_parsed(ex, parsed, receive, send, base_url)
+            if ex.answer is not None:
+                kept = StoredResponse(200, (), ex.answer)
+            elif ex.sse and ex.outcome not in ("disconnected", "send_timeout"):
+                kept = StoredResponse(200, (), None, "text/event-stream", stream=True)
+        except ApiError as err:
+            if ex.submitted:  # it ran (or was cancelled, or timed out): that is the answer
+                kept = StoredResponse(err.status, err.headers, _json_bytes(err.body()))
+            raise
+        finally:
+            if kept is not None:
+                store.finish(owner, key, entry, kept, trio.current_time())
+            else:
+                store.forget(owner, key, entry)
+
+    async def _replay(
+        self, ex: _Exchange, send: Send, first_id: str, response: StoredResponse | None
+    ) -> None:
+        """Answer a resubmission with the first request's answer, marked
+        ``Idempotent-Replayed: true``; what cannot be replayed is a 409 that says so."""
+        ex.outcome = "replayed"
+        if response is None or response.stream or response.body is None:
+            why = (
+                "its events were streamed and cannot be replayed"
+                if response is not None and response.stream
+                else "its answer is no longer kept"
+            )
+            raise ApiError(
+                409,
+                f"this Idempotency-Key belongs to request {first_id}, which ended; {why}. "
+                "It is not run again: use a new key for a new request",
+                param="Idempotency-Key",
+                code="idempotency_key_used",
+                headers=_NO_RETRY,
+            )
+        await self._send_bytes(
+            ex,
+            send,
+            response.status,
+            response.body,
+            response.content_type,
+            extra=(*response.headers, ("Idempotent-Replayed", "true")),
+        )
+
+    async def _generate_parsed(
+        self, ex: _Exchange, parsed: ParsedRequest, receive: Receive, send: Send, base_url: str
+    ) -> None:
         estimate = self._response_estimate(parsed)
         if not self.responses.fits(estimate):
             raise self._memory_full()
         # The answer's bytes count from admission until it is written or the request ends.
         with self.responses.reserve(estimate) as reservation:
             submission = self._submit(ex, parsed)
+            ex.submitted = True
             # Whatever happens from here on, leaving this block ends the request and frees its
             # slot in the pool (re-entering the stream below is harmless).
             async with submission.stream:
@@ -966,6 +1101,7 @@ class ImagesApp:
             type="server_error",
             param="timeout",
             code="timeout",
+            headers=_NO_RETRY,
         )
 
     def _terminal_error(
@@ -985,6 +1121,7 @@ class ImagesApp:
                     type="server_error",
                     param="timeout",
                     code="timeout",
+                    headers=_NO_RETRY,
                 )
             reason = submission.stream.abort_reason
             ex.outcome = "cancelled" if reason == "cancelled" else "aborted"
@@ -992,9 +1129,10 @@ class ImagesApp:
             if reason == "cancelled":
                 return ApiError(
                     409,
-                    f"request {rid} was cancelled (DELETE /v1/requests/{rid})",
+                    f"request {rid} was cancelled (DELETE /v1/requests/{rid}); it is not run again",
                     type="invalid_request_error",
                     code="request_cancelled",
+                    headers=_NO_RETRY,
                 )
             if output.error_type == "EngineClosedError" or reason is not None:
                 why = reason or "the server is shutting down"
@@ -1006,8 +1144,15 @@ class ImagesApp:
         if error_type == "EngineClosedError":
             return _unavailable(f"request {rid} was aborted: the engine closed", "engine_closed")
         if error_type in RETRYABLE_ERROR_TYPES:
-            return _unavailable(
-                f"request {rid} failed on a worker failure ({error_type}); retry", error_type
+            # Its retries on the server are used up; a client may send it again, but the
+            # SDKs' automatic retries must not (a failed job is never recomputed unasked).
+            return ApiError(
+                503,
+                f"request {rid} failed on a worker failure ({error_type}) after the server's "
+                "own retries; it may succeed if sent again",
+                type="server_error",
+                code=error_type,
+                headers=[*_retry_after(), *_NO_RETRY],
             )
         if error_type == "InvalidRequestError":  # found after admission (its payload)
             return ApiError(
@@ -1031,6 +1176,7 @@ class ImagesApp:
             f"request {rid} failed ({error_type})",
             type="server_error",
             code=error_type,
+            headers=_NO_RETRY,
         )
 
     async def _encode_all(self, images: Sequence[Any], parsed: ParsedRequest) -> list[bytes]:
@@ -1082,6 +1228,8 @@ class ImagesApp:
             self.metrics.observe_generation(final.metrics, total_ms, len(body["data"]))
             payload = _json_bytes(body)
             del body  # while the answer is written, only its bytes are held
+        if self._keeps_answers(ex):
+            ex.answer = payload
         await self._send_bytes(ex, send, 200, payload, "application/json", reservation=reservation)
 
     async def _generate_events(

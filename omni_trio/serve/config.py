@@ -152,6 +152,9 @@ class ServeConfig:
     # More keys.  Each key owns the requests made with it: another key cannot see, cancel
     # or collide with them (docs/operations.md, "Security and limits").
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Per API key, the priorities its requests may ask for ([priority_ranges] in the TOML:
+    # "<key>" = [min, max]); a key not listed gets the engine's min_priority..max_priority.
+    priority_ranges: Mapping[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     # scheme://host[:port][/prefix] in front of file URLs (response_format=url); default:
     # the address the client connected to (never the Host header).
     public_url: str | None = None
@@ -163,6 +166,10 @@ class ServeConfig:
     # Refuse (503 + Retry-After) a generation whose estimated queue wait, at the measured
     # service rate, exceeds this (None: only its own timeout is checked).
     max_queue_wait_s: float | None = None
+    # Idempotency-Key: how long after a request ended a resubmission with its key replays
+    # its answer, and the bytes of answers kept for that (past it the oldest are dropped).
+    idempotency_ttl_s: float = 3600.0
+    idempotency_max_bytes: int = 64 * MIB
     max_body_bytes: int = 1_000_000
     max_prompt_chars: int = 4000
     max_n: int = 4
@@ -200,6 +207,7 @@ class ServeConfig:
         for key in keys:
             _check_key("api_keys", key)
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
+        object.__setattr__(self, "priority_ranges", self._checked_priority_ranges())
         if self.public_url is not None:
             object.__setattr__(self, "public_url", _public_url(self.public_url))
         if self.model_name is not None and (
@@ -213,6 +221,8 @@ class ServeConfig:
         _check_int("max_queue_len", self.max_queue_len, minimum=1)
         if self.max_queue_wait_s is not None:
             _check_float("max_queue_wait_s", self.max_queue_wait_s, positive=True)
+        _check_float("idempotency_ttl_s", self.idempotency_ttl_s, positive=True)
+        _check_int("idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         _check_int("max_body_bytes", self.max_body_bytes, minimum=1)
         _check_int("max_prompt_chars", self.max_prompt_chars, minimum=1)
         _check_int("max_n", self.max_n, minimum=1)
@@ -284,6 +294,34 @@ class ServeConfig:
         """Listening beyond loopback with no API key: anyone who can reach the port can
         generate.  Allowed, but the daemon logs a warning."""
         return not self.all_api_keys and not is_loopback(self.host)
+
+    def _checked_priority_ranges(self) -> dict[str, tuple[int, int]]:
+        ranges = self.priority_ranges
+        if not isinstance(ranges, Mapping):
+            raise InvalidConfigError(
+                "priority_ranges must map API keys to [min, max]", field="priority_ranges"
+            )
+        known = set(self.all_api_keys)
+        checked: dict[str, tuple[int, int]] = {}
+        for key, bounds in ranges.items():
+            if key not in known:  # never echo the value: it is (meant to be) a secret
+                raise InvalidConfigError(
+                    "priority_ranges names a key that is not one of api_key / api_keys",
+                    field="priority_ranges",
+                )
+            if (
+                not isinstance(bounds, list | tuple)
+                or len(bounds) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+                or bounds[0] > bounds[1]
+            ):
+                raise InvalidConfigError(
+                    f"priority_ranges values must be [min, max] integers with min <= max, "
+                    f"got {bounds!r}",
+                    field="priority_ranges",
+                )
+            checked[key] = (int(bounds[0]), int(bounds[1]))
+        return checked
 
     def replace(self, **changes: Any) -> ServeConfig:
         known = {f.name for f in dataclasses.fields(self)}
@@ -569,6 +607,21 @@ FLAGS: tuple[Flag, ...] = (
         "service rate exceeds S seconds (default: only its own timeout is checked)",
         type=float,
         metavar="S",
+    ),
+    Flag(
+        "--idempotency-ttl",
+        ("idempotency_ttl_s",),
+        "seconds after a request ended that a resubmission with its Idempotency-Key replays "
+        "its answer",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--idempotency-max-bytes",
+        ("idempotency_max_bytes",),
+        "bytes of answers kept for Idempotency-Key replays (the oldest dropped past it)",
+        type=int,
+        metavar="N",
     ),
     Flag("--max-body-bytes", ("max_body_bytes",), "largest request body", type=int, metavar="N"),
     Flag("--max-prompt-chars", ("max_prompt_chars",), "longest prompt", type=int, metavar="N"),

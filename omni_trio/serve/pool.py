@@ -130,9 +130,11 @@ class QueueWaitError(OmniTrioError):
     """A request would wait longer in the queue than it may (its ``deadline_s``, or the
     pool's ``max_queue_wait_s``): refused now rather than timed out later."""
 
-    def __init__(self, estimate_s: float, limit_s: float, what: str) -> None:
+    def __init__(
+        self, estimate_s: float, limit_s: float, what: str, measure: str = "queue wait"
+    ) -> None:
         super().__init__(
-            f"the estimated queue wait ({estimate_s:.1f} s, from the measured service rate) "
+            f"the estimated {measure} ({estimate_s:.1f} s, from the measured service rate) "
             f"exceeds {what} ({limit_s:g} s); retry later"
         )
         self.estimate_s = estimate_s
@@ -516,22 +518,23 @@ class EnginePool:
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate))))
 
     def _check_queue_wait(self, params: SamplingParams) -> None:
-        """Refuse a request whose estimated queue wait already exceeds its own deadline
-        or ``max_queue_wait_s`` (:class:`QueueWaitError`); nothing is checked before a rate
-        is measured."""
-        limits = []
-        if params.deadline_s is not None:
-            limits.append((params.deadline_s, "the request's timeout"))
-        if self.max_queue_wait_s is not None:
-            limits.append((self.max_queue_wait_s, "max_queue_wait_s"))
-        if not limits:
+        """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
+        whose estimated finish (that wait plus one service time) exceeds its own deadline
+        (:class:`QueueWaitError`); nothing is checked before a rate is measured."""
+        if params.deadline_s is None and self.max_queue_wait_s is None:
             return
-        wait = self.estimated_wait_s()
-        if wait is None:
+        rate = self.service_rate()
+        if rate is None:
             return
-        limit, what = min(limits)
-        if wait > limit:
-            raise QueueWaitError(wait, limit, what)
+        wait = len(self._active) / rate
+        if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
+            raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
+        # Its deadline covers its own run too: one more service time at the same rate.
+        finish = wait + 1 / rate
+        if params.deadline_s is not None and finish > params.deadline_s:
+            raise QueueWaitError(
+                finish, params.deadline_s, "the request's timeout", "time to finish"
+            )
 
     def _release(self, stream: PooledStream) -> None:
         rid = stream.engine_request_id

@@ -813,6 +813,29 @@ async def start_long(
     nursery.start_soon(post)
 
 
+async def test_a_key_with_a_priority_range_may_ask_only_for_priorities_within_it() -> None:
+    """``priority_ranges``: the batch key may ask for 0..10 only (its 400 says the range and
+    names the field), the other key for the engine's whole range; nothing is admitted for
+    the refused request."""
+    batch, other = {"Authorization": "Bearer k-batch"}, {"Authorization": "Bearer k-other"}
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(
+                api_keys=("k-batch", "k-other"),
+                app_options={"priority_ranges": {"k-batch": (0, 10)}},
+            ) as server,
+            server.client() as client,
+        ):
+            r = await generate(client, priority=-3, headers=batch)
+            error = assert_envelope(r, 400, param="priority", code="priority_not_allowed")
+            assert "0..10" in error["message"]
+            assert (await generate(client, priority=3, headers=batch)).status_code == 200
+            assert (await generate(client, priority=-3, headers=other)).status_code == 200
+            r = await generate(client, priority=-11, headers=other)  # the engine's range
+            assert_envelope(r, 400, param="priority", code="invalid_value")
+            assert server.engine().statistics().finished_completed == 2
+
+
 async def test_only_the_key_that_made_a_request_can_see_or_cancel_it() -> None:
     """Two keys: each may use the same X-Request-Id at once (no 409); GET and DELETE
     /v1/requests/{id} act on the caller's own request only; another key's -- generated ids
@@ -1596,3 +1619,111 @@ async def test_lifespan_is_acknowledged() -> None:
     with trio.fail_after(CAP_S):
         await app({"type": "lifespan"}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+# -- retry-safe answers and Idempotency-Key ----------------------------------------------------
+
+
+async def test_the_sdk_with_default_retries_never_recomputes_a_cancelled_or_timed_out_request() -> (
+    None
+):
+    """The official client retries 409 and 5xx twice by default: a cancelled request (409)
+    and one past its timeout (504) say ``x-should-retry: false``, so each ran once."""
+    with trio.fail_after(CAP_S * 2):
+        async with run_server() as server:
+
+            def sdk_call(rid: str, **extra: Any) -> openai.APIStatusError:
+                with openai.OpenAI(
+                    base_url=f"{server.url}/v1", api_key="unused", timeout=30
+                ) as sdk:
+                    assert sdk.max_retries == 2  # the default
+                    with pytest.raises(openai.APIStatusError) as info:
+                        sdk.images.generate(
+                            model=MODEL,
+                            prompt="a long one",
+                            size="64x64",
+                            extra_headers={"X-Request-Id": rid},
+                            extra_body={"num_inference_steps": LONG, **extra},
+                        )
+                    return info.value
+
+            answers: dict[str, openai.APIStatusError] = {}
+
+            async def call(rid: str, **extra: Any) -> None:
+                answers[rid] = await trio.to_thread.run_sync(lambda: sdk_call(rid, **extra))
+
+            engine = server.engine()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "cancelled")
+                await wait_until(lambda: server.pool.in_flight == 1)
+                async with server.client() as client:
+                    # The SDK's bearer token owns its request: the same token cancels it.
+                    token = {"Authorization": "Bearer unused"}
+                    r = await client.delete("/v1/requests/cancelled", headers=token)
+                    assert r.status_code == 200, r.text
+            await call("late", timeout=0.2)
+            assert answers["cancelled"].status_code == 409
+            assert answers["cancelled"].body["code"] == "request_cancelled"
+            assert answers["late"].status_code == 504
+            for error in answers.values():
+                assert error.response.headers["x-should-retry"] == "false"
+            assert engine.statistics().admitted == 2  # once each, no resubmission
+
+
+async def test_an_idempotency_key_attaches_a_resubmission_to_the_first_request() -> None:
+    """The same key and body: one computation, the same answer (replayed, also to a
+    resubmission sent while the first still runs); a cancelled request's key replays its
+    409; the key with another body is a 422; another client's key of the same name is its
+    own; a bad key is a 400."""
+    one, two = {"Authorization": "Bearer k-one"}, {"Authorization": "Bearer k-two"}
+    with trio.fail_after(CAP_S * 2):
+        async with run_server(api_keys=("k-one", "k-two")) as server, server.client() as client:
+            engine = server.engine()
+            key = {**one, "Idempotency-Key": "job-1"}
+            answers: list[httpx.Response] = []
+
+            async def post() -> None:
+                answers.append(await generate(client, num_inference_steps=20, seed=3, headers=key))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post)
+                await wait_until(lambda: server.pool.in_flight == 1)
+                nursery.start_soon(post)  # attaches while the first runs
+            r = await generate(client, num_inference_steps=20, seed=3, headers=key)
+            answers.append(r)
+            assert [a.status_code for a in answers] == [200, 200, 200]
+            assert answers[0].content == answers[1].content == answers[2].content
+            assert sorted(a.headers.get("idempotent-replayed", "") for a in answers) == [
+                "",
+                "true",
+                "true",
+            ]
+            assert engine.statistics().admitted == 1
+            r = await generate(client, num_inference_steps=20, seed=4, headers=key)
+            assert_envelope(r, 422, param="Idempotency-Key", code="idempotency_key_reused")
+            # The same key name from another owner is another key.
+            r = await generate(client, seed=3, headers={**two, "Idempotency-Key": "job-1"})
+            assert r.status_code == 200 and "idempotent-replayed" not in r.headers
+            # A cancelled request's key replays the cancellation: it is not run again.
+            cancel_key = {**one, "Idempotency-Key": "job-2", "X-Request-Id": "c"}
+            async with trio.open_nursery() as nursery:
+                first: list[httpx.Response] = []
+
+                async def post_long() -> None:
+                    first.append(
+                        await generate(client, num_inference_steps=LONG, headers=cancel_key)
+                    )
+
+                nursery.start_soon(post_long)
+                await wait_until(lambda: server.pool.in_flight == 1)
+                assert (await client.delete("/v1/requests/c", headers=one)).status_code == 200
+            assert_envelope(first[0], 409, code="request_cancelled")
+            admitted = engine.statistics().admitted
+            again = await generate(client, num_inference_steps=LONG, headers=cancel_key)
+            assert_envelope(again, 409, code="request_cancelled")
+            assert again.headers["idempotent-replayed"] == "true"
+            assert again.headers["x-should-retry"] == "false"
+            assert engine.statistics().admitted == admitted
+            r = await generate(client, headers={**one, "Idempotency-Key": "bad\tkey"})
+            assert_envelope(r, 400, param="Idempotency-Key", code="invalid_idempotency_key")
+        assert server.pool.in_flight == 0

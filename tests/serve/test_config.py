@@ -390,3 +390,20 @@ def test_replace() -> None:
     with pytest.raises(InvalidConfigError) as info:
         ServeConfig().replace(prot=1)
     assert info.value.field == "prot"
+
+
+def test_priority_ranges_from_toml_name_configured_keys_only(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'api_keys = ["k1", "k2"]\n[priority_ranges]\nk1 = [0, 5]\n'
+        '[engine]\nmodel = "builtin:echo"\n',
+    )
+    config = ServeConfig.from_toml(path, environ={})
+    assert config.priority_ranges == {"k1": (0, 5)}
+    assert "k1" not in repr(config)
+    with pytest.raises(InvalidConfigError, match="not one of api_key") as info:
+        ServeConfig(api_keys=("k1",), priority_ranges={"s3cret": (0, 1)})
+    assert "s3cret" not in str(info.value)
+    for bad in ((5, 0), (0,), ("0", "1"), (True, 2)):
+        with pytest.raises(InvalidConfigError, match="priority_ranges"):
+            ServeConfig(api_keys=("k1",), priority_ranges={"k1": bad})
