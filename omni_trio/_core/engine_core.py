@@ -207,6 +207,8 @@ class _Entry:
     output_key: str | None = None
     output_deadline: float | None = None
     compute_timings: Mapping[str, float] = field(default_factory=dict)
+    # Admission number: names this admission in the deadline heap (an id may be reused).
+    admission: int = -1
 
 
 class EngineCore:
@@ -252,7 +254,7 @@ class EngineCore:
         self._deadline_seq = itertools.count()
         # Requests' own deadlines (SamplingParams.deadline_s): (at, seq, request id, state
         # identity); stale ones (the request ended, or its id was reused) skipped lazily.
-        self._request_deadlines: list[tuple[float, int, str, int]] = []
+        self._request_deadlines: list[tuple[float, int, str]] = []
         # PREEMPTED requests whose step state the workers may still hold (pruned lazily).
         self._preempted_kept: set[str] = set()
         self.model_info: ModelInfo | None = None
@@ -335,14 +337,14 @@ class EngineCore:
                 break
             heapq.heappop(heap)
         own = self._request_deadlines
-        while own and not self._times_out(own[0][2], own[0][3]):
+        while own and not self._times_out(own[0][2], own[0][1]):
             heapq.heappop(own)
         times = [h[0][0] for h in (heap, own) if h]
         return min(times) if times else None
 
-    def _times_out(self, request_id: str, state_id: int) -> bool:
+    def _times_out(self, request_id: str, admission: int) -> bool:
         entry = self._entries.get(request_id)
-        return entry is not None and id(entry.state) == state_id
+        return entry is not None and entry.admission == admission
 
     def _awaits(self, request_id: str, key: str, deadline: float) -> bool:
         entry = self._entries.get(request_id)
@@ -439,14 +441,15 @@ class EngineCore:
         if FAULTS_KEY in request.sampling.extra_args:
             self._check_faults(request)
         state = self.scheduler.add_request(request, now)
-        self._entries[rid] = _Entry(state, counted=counted)
+        admission = next(self._deadline_seq)
+        self._entries[rid] = _Entry(state, counted=counted, admission=admission)
         if request.sampling.deadline_s is not None:
             own = self._request_deadlines
             if len(own) > 2 * len(self._entries) + 64:  # mostly ended requests: compact
-                own[:] = [d for d in own if self._times_out(d[2], d[3])]
+                own[:] = [d for d in own if self._times_out(d[2], d[1])]
                 heapq.heapify(own)
             at = now + request.sampling.deadline_s
-            heapq.heappush(own, (at, next(self._deadline_seq), rid, id(state)))
+            heapq.heappush(own, (at, admission, rid))
         if counted:
             self._admitted += 1
         if self.trace is not None:
@@ -752,8 +755,8 @@ class EngineCore:
         own = self._request_deadlines
         late: list[str] = []
         while own and own[0][0] <= now:
-            _, _, rid, state_id = heapq.heappop(own)
-            if self._times_out(rid, state_id):
+            _, admission, rid = heapq.heappop(own)
+            if self._times_out(rid, admission):
                 late.append(rid)
         for rid in late:
             entry = self._entries.get(rid)

@@ -755,3 +755,22 @@ def test_a_deadline_belongs_to_its_incarnation_not_its_id() -> None:
     assert core.expire(3.0) == []
     assert _timed_out(core.expire(11.0)) == {"a": "RequestTimeoutError"}
     assert_clean(core, trace)
+
+
+def test_a_reused_id_without_a_deadline_is_not_taken_for_the_one_that_had_it() -> None:
+    """The old incarnation's deadline entry names its admission, not its state object's
+    address: once the queue lets go of an aborted state (the next schedule pops it), CPython
+    hands its address to the next one, and the new request, admitted without a deadline,
+    must not be timed out (nor crash the expiry with its missing limit).  Found by the core
+    machine in CI."""
+    core = EngineCore(CoreConfig(), trace=None, seed=1)
+    core.group_started(INFO, 0.0)
+    for round_ in range(20):
+        now = float(round_)
+        admit(core, "a", now, deadline_s=0.5)
+        core.abort(["a"], now)
+        assert core.schedule(now, worker=0) is None  # pops the aborted state: it is freed
+        admit(core, "a", now)
+        assert core.expire(now + 1.0) == []
+        core.abort(["a"], now + 1.0)
+    assert core.next_deadline() is None
