@@ -28,7 +28,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -265,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the engine's warmup request first (default: off for one-shot generation, "
         "or what --config says)",
+    )
+    gen.add_argument(
+        "--metadata",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the recipe (prompt, negative prompt, seed, steps, guidance, size, model) "
+        "into each image: PNG text chunks, JPEG/WebP EXIF UserComment (default: on)",
     )
     gen.add_argument(
         "-q",
@@ -601,8 +608,16 @@ def _check_output_dir(path: Path) -> None:
         raise CliError(f"output directory {str(parent)!r} does not exist", EXIT_USAGE)
 
 
-def _save_png(image: Any, path: Path) -> None:
-    image.save(path, format=None if path.suffix else "PNG")
+def _save_png(image: Any, path: Path, recipe: Mapping[str, str] | None = None) -> None:
+    """Write ``image`` as its suffix says (none: PNG), with ``recipe`` in it where the format
+    carries one (PNG text chunks, JPEG/WebP EXIF UserComment; see
+    :func:`~omni_trio.serve.images.pil_save_options`)."""
+    from PIL import Image
+
+    from .serve.images import pil_save_options
+
+    fmt = Image.registered_extensions().get(path.suffix.lower(), "PNG") if path.suffix else "PNG"
+    image.save(path, format=fmt, **pil_save_options(fmt, recipe))
 
 
 class _LoadingLine:
@@ -714,6 +729,7 @@ def _generate_main(args: argparse.Namespace) -> int:
     import trio
 
     from ._core.request import DiffusionRequest, validate_request
+    from .serve.images import image_metadata
 
     config = _engine_config(
         args,
@@ -727,11 +743,24 @@ def _generate_main(args: argparse.Namespace) -> int:
     _check_output_dir(out)
     mode = "none" if args.no_progress else ("live" if _is_tty(sys.stderr) else "plain")
 
-    output = trio.run(_generate_async, config, args.prompt, params, mode)
+    output, scheduler = trio.run(_generate_async, config, args.prompt, params, mode)
     width, height = output.images[0].size if output.images else (0, 0)
     paths = output_paths(out, len(output.images))
-    for image, path in zip(output.images, paths, strict=True):
-        _save_png(image, path)
+    recipe_params = params.replace(seed=output.seed)
+    for index, (image, path) in enumerate(zip(output.images, paths, strict=True)):
+        recipe = (
+            image_metadata(
+                args.prompt,
+                recipe_params,
+                model=config.model,
+                scheduler=scheduler,
+                size=f"{image.width}x{image.height}",
+                image_index=index,
+            )
+            if args.metadata
+            else None
+        )
+        _save_png(image, path, recipe)
     m = output.metrics
     for path in paths:
         print(f"wrote {path} ({width}x{height})")
@@ -744,7 +773,8 @@ def _generate_main(args: argparse.Namespace) -> int:
 
 async def _generate_async(
     config: EngineConfig, prompt: str, params: SamplingParams, mode: str
-) -> DiffusionOutput:
+) -> tuple[DiffusionOutput, str | None]:
+    """Generate one request; its output and the model's scheduler name (for the recipe)."""
     import trio
 
     from .runtime.engine import raise_for_status
@@ -755,7 +785,8 @@ async def _generate_async(
         item = _Tracked(stream.request_id, "generate", params.total_steps, trio.current_time())
         await _run_with_progress(engine, [stream], [item], _Display(sys.stderr, mode, [item]))
         assert item.output is not None
-        return raise_for_status(item.output)
+        info = engine.executor.model_info
+        return raise_for_status(item.output), None if info is None else info.scheduler
 
 
 # -- demo --------------------------------------------------------------------------------------

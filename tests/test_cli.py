@@ -207,6 +207,15 @@ def test_generate_tiny_sd_writes_a_real_png(
     # a rendered image, not a blank one
     assert any(low < high for low, high in image.getextrema())
     assert "seed 1" in capsys.readouterr().out
+    # The recipe names the real pipeline's noise scheduler.
+    text = image.text  # type: ignore[attr-defined]
+    assert (text["model"], text["seed"], text["negative_prompt"]) == (
+        "builtin:tiny-sd",
+        "1",
+        "blurry",
+    )
+    assert text["scheduler"].endswith("Scheduler")
+    assert f"Sampler: {text['scheduler']}" in text["parameters"]
 
 
 @pytest.mark.parametrize(
@@ -917,3 +926,58 @@ def test_no_cfg_parallel_lets_more_than_two_workers_be_replicas() -> None:
         cli._engine_config(args, defaults={})
     default = cli.build_parser().parse_args(["generate", "x"])
     assert cli._engine_config(default, defaults={}).cfg_parallel is True
+
+
+# -- the recipe in the image (#20) -------------------------------------------------------------
+
+
+def test_generate_writes_the_recipe_into_each_image(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "fox.png"
+    prompt = "a red fox, 狐 🦊 " + "very " * 1000  # unicode and long: written, cut
+    argv = _echo(
+        "generate", prompt, "--steps", "3", "--seed", "5", "--size", "64x48", "-n", "2",
+        "--guidance", "4.5", "--negative-prompt", "blurry", "-o", str(out), cache_dir=cache_dir,
+    )  # fmt: skip
+    assert main(argv) == EXIT_OK
+    for index in range(2):
+        image = Image.open(tmp_path / f"fox-{index}.png")
+        assert decode_echo_image(image)[1:] == (5, index)  # the pixels are still the echo's
+        text = image.text  # type: ignore[attr-defined]
+        assert {k: v for k, v in text.items() if k not in ("prompt", "parameters")} == {
+            "negative_prompt": "blurry",
+            "seed": "5",  # both images come from the request's one seed...
+            "steps": "3",
+            "guidance_scale": "4.5",
+            "size": "64x48",
+            "model": "builtin:echo",
+            "n": "2",
+            "image_index": str(index),  # ...as its draws 0 and 1
+        }
+        assert text["prompt"] == prompt[:4095] + "…"  # cut at 4096 characters
+        assert text["parameters"].endswith(
+            "\nNegative prompt: blurry\nSteps: 3, CFG scale: 4.5, Seed: 5, Size: 64x48, "
+            f'Model: "builtin:echo", Batch size: 2, Batch pos: {index}'
+        )
+
+
+def test_generate_no_metadata_writes_bare_images_and_jpeg_gets_a_user_comment(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    from PIL import ExifTags
+
+    bare = tmp_path / "bare.png"
+    argv = _echo(
+        "generate", "x", "--steps", "1", "--no-metadata", "-o", str(bare), cache_dir=cache_dir
+    )
+    assert main(argv) == EXIT_OK
+    assert Image.open(bare).text == {}  # type: ignore[attr-defined]
+    jpeg = tmp_path / "x.jpg"
+    argv = _echo(
+        "generate", "x", "--steps", "1", "--seed", "3", "-o", str(jpeg), cache_dir=cache_dir
+    )
+    assert main(argv) == EXIT_OK
+    image = Image.open(jpeg)
+    assert image.format == "JPEG"
+    comment = image.getexif().get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment]
+    assert comment.startswith(b"UNICODE\x00")
+    assert comment[8:].decode("utf-16-be").startswith("x\nSteps: 1, CFG scale: 7.5, Seed: 3, ")

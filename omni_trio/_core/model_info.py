@@ -46,6 +46,9 @@ class ModelInfo:
     ``calibrate``: its step time is measured at warmup for the compute budget (see
     ``omni_trio._core.cost``); the diffusers models say True, fakes and echo (whose time is
     what its options say) leave it False.
+    ``scheduler``: the name of the noise scheduler it samples with (a diffusers pipeline's
+    scheduler class, ``"DDIMScheduler"``), written into each image's recipe; None where the
+    model has none to name.
     """
 
     name: str
@@ -62,6 +65,7 @@ class ModelInfo:
     extra_args: frozenset[str] | None = None
     ignored_params: frozenset[str] = frozenset()
     calibrate: bool = False
+    scheduler: str | None = None
 
     def __post_init__(self) -> None:
         if self.fixed_size is None:

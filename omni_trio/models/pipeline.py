@@ -195,6 +195,12 @@ def declared(path: Path) -> dict[str, Any]:
     return data
 
 
+def _scheduler_name(pipe: Any) -> str | None:
+    """The class name of the pipeline's noise scheduler (None if it has none)."""
+    scheduler = getattr(pipe, "scheduler", None)
+    return None if scheduler is None else type(scheduler).__name__
+
+
 def _declared_side(data: Mapping[str, Any], key: str, name: str) -> int | None:
     value = data.get(key)
     if value is None:
@@ -263,6 +269,7 @@ class DiffusersModel(DiffusionModel):
             extra_args=frozenset(),
             ignored_params=(frozenset() if text_conditioned else _UNCONDITIONAL_IGNORES),
             calibrate=True,
+            scheduler=_scheduler_name(pipe),
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.

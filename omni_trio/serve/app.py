@@ -387,6 +387,7 @@ class ImagesApp:
         max_response_bytes_in_flight: int = 256 * MIB,
         log: AccessLog | logging.Logger | None = None,
         progress_interval_s: float = 0.25,
+        image_metadata: bool = True,
     ) -> None:
         self.pool = pool
         self.model_name = model_name
@@ -415,6 +416,8 @@ class ImagesApp:
             log if callable(log) and not isinstance(log, logging.Logger) else logger_sink(log)
         )
         self._progress_interval_s = progress_interval_s
+        # Every image carries its recipe (serve.images.image_metadata); False: none does.
+        self.image_metadata = image_metadata
         self._created = int(time.time())
 
     # -- ASGI entry ------------------------------------------------------------------------
@@ -1179,10 +1182,38 @@ class ImagesApp:
             headers=_NO_RETRY,
         )
 
-    async def _encode_all(self, images: Sequence[Any], parsed: ParsedRequest) -> list[bytes]:
+    async def _encode_all(
+        self, images: Sequence[Any], parsed: ParsedRequest, seed: int | None = None
+    ) -> list[bytes]:
+        """Encode ``images`` (in a thread) as ``parsed`` asks, each with its recipe unless
+        ``image_metadata`` is off: ``seed`` is the one the engine used (``output.seed``; None:
+        the request's own, if it gave one), shared by all ``n`` images, told apart by their
+        ``image_index`` (see :func:`~omni_trio.serve.images.image_metadata`); the scheduler
+        named is the served model's (``ModelInfo.scheduler``)."""
+        from .images import image_metadata
+
         fmt, quality = parsed.output_format, parsed.output_compression
+        params = parsed.params if seed is None else parsed.params.replace(seed=seed)
+        info = self.pool.model_info() if self.image_metadata else None
+        scheduler = None if info is None else info.scheduler
+
+        def recipe(image: Any, index: int) -> dict[str, str] | None:
+            if not self.image_metadata:
+                return None
+            return image_metadata(
+                parsed.prompt,
+                params,
+                model=self.model_name,
+                scheduler=scheduler,
+                size=None if image_size(image) == "auto" else image_size(image),
+                image_index=index,
+            )
+
         return await trio.to_thread.run_sync(
-            lambda: [encode_image(image, fmt, quality) for image in images]
+            lambda: [
+                encode_image(image, fmt, quality, metadata=recipe(image, index))
+                for index, image in enumerate(images)
+            ]
         )
 
     async def _generate_json(
@@ -1202,7 +1233,7 @@ class ImagesApp:
             return  # disconnected: nobody to answer
         if final.status is not RequestStatus.FINISHED_COMPLETED:
             raise self._terminal_error(ex, final, submission)
-        encoded = await self._encode_all(final.images, parsed)
+        encoded = await self._encode_all(final.images, parsed, final.seed)
         with reservation.hold(sum(len(blob) for blob in encoded)):
             data: list[dict[str, Any]] = []
             for blob in encoded:
@@ -1275,7 +1306,7 @@ class ImagesApp:
 
         async def emit_images(kind: str, images: Any, **extra: Any) -> None:
             """One SSE event per image: ``kind`` with the image and the shared fields."""
-            encoded = await self._encode_all(images, parsed)
+            encoded = await self._encode_all(images, parsed, extra.get("seed"))
             created = int(time.time())
             with reservation.hold(sum(len(blob) for blob in encoded)):
                 for image_index, (image, blob) in enumerate(zip(images, encoded, strict=True)):

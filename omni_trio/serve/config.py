@@ -191,6 +191,9 @@ class ServeConfig:
     # its end, every answer while it is written; beyond it new generations and file
     # downloads get 429.
     max_response_bytes_in_flight: int = 256 * MIB
+    # Write each image's recipe (prompt, seed, steps, ...) into it: PNG text chunks, JPEG/WebP
+    # EXIF UserComment (omni_trio.serve.images.image_metadata).
+    image_metadata: bool = True
     log_format: str = "text"
     log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -240,6 +243,11 @@ class ServeConfig:
             minimum=MIN_CONNECTION_BUFFER_BYTES,
         )
         _check_int("max_response_bytes_in_flight", self.max_response_bytes_in_flight, minimum=1)
+        if not isinstance(self.image_metadata, bool):
+            raise InvalidConfigError(
+                f"image_metadata must be true or false, got {self.image_metadata!r}",
+                field="image_metadata",
+            )
         if self.log_format not in LOG_FORMATS:
             raise InvalidConfigError(
                 f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}",
@@ -690,6 +698,12 @@ FLAGS: tuple[Flag, ...] = (
         "answers being sent) before new generations and downloads get 429",
         type=int,
         metavar="N",
+    ),
+    Flag(
+        "--metadata",
+        ("image_metadata",),
+        "write each image's recipe (prompt, seed, steps, guidance, size, model) into it",
+        boolean=True,
     ),
     Flag("--log-format", ("log_format",), "log lines as text or JSON", choices=LOG_FORMATS),
     Flag("--log-level", ("log_level",), "least severe level logged", choices=LOG_LEVELS),

@@ -498,6 +498,7 @@ class _Daemon:
             send_timeout_s=c.send_timeout_s,
             max_response_bytes_in_flight=c.max_response_bytes_in_flight,
             log=logging.getLogger("omni_trio.serve.access"),
+            image_metadata=c.image_metadata,
         )
 
     def _http_limits(self) -> HttpLimits:

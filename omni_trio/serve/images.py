@@ -3,8 +3,9 @@ and the in-memory store behind ``response_format="url"``.
 
 Pure and synchronous (no trio, no I/O): :func:`parse_generation_request` turns a decoded JSON
 body into a :class:`ParsedRequest` or raises :class:`ApiError` naming the offending field;
-:func:`encode_image` turns one image into PNG/JPEG/WebP bytes; :class:`ImageStore` keeps
-encoded images for a while under unguessable ids.
+:func:`encode_image` turns one image into PNG/JPEG/WebP bytes, carrying the recipe that
+:func:`image_metadata` writes down; :class:`ImageStore` keeps encoded images for a while under
+unguessable ids.
 
 Fields of ``POST /v1/images/generations`` (all optional but ``prompt``; ``null`` means
 "default")::
@@ -27,6 +28,10 @@ Fields of ``POST /v1/images/generations`` (all optional but ``prompt``; ``null``
     negative_prompt     str                   }
     seed                int 0..2**32-1 (random when absent; echoed in the response)
 
+Every image carries its recipe (unless the server runs with ``--no-metadata``): PNG as text
+chunks, one per key of :func:`image_metadata` (``tEXt``, or ``iTXt`` for text beyond
+Latin-1); JPEG and WebP only the ``parameters`` text, as the EXIF ``UserComment``.
+
 GPT-image-only fields the model cannot honour (:data:`IGNORED_FIELDS`) are accepted, ignored,
 and named in the ``X-Omni-Trio-Ignored-Fields`` response header.  Any other field is a 400
 naming it.  Booleans are never accepted where a number is expected.
@@ -36,9 +41,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 import re
 import secrets
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -59,9 +66,11 @@ __all__ = [
     "encode_b64",
     "encode_image",
     "error_body",
+    "image_metadata",
     "image_size",
     "images_response",
     "parse_generation_request",
+    "pil_save_options",
 ]
 
 IGNORED_FIELDS = frozenset(
@@ -73,6 +82,12 @@ MAX_PARTIAL_IMAGES = 3
 OUTPUT_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 RESPONSE_FORMATS = ("b64_json", "url")
 DEFAULT_QUALITY = 95
+# Recipe text: a prompt, negative prompt, model or scheduler name longer than this is cut
+# (ending in an ellipsis) by image_metadata; any value longer than the second is cut by
+# encode_image.  Both are characters.  The second keeps the EXIF UserComment (UTF-16, at most
+# 4 bytes a character) inside JPEG's 64 KiB APP1 segment.
+MAX_METADATA_FIELD_CHARS = 4096
+MAX_METADATA_VALUE_CHARS = 16_000
 _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")
 _KNOWN_FIELDS = frozenset(
     {
@@ -367,26 +382,191 @@ def _to_pil(image: Any) -> Any:
     return Image.fromarray(array)
 
 
-def encode_image(image: Any, output_format: str, compression: int | None = None) -> bytes:
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+
+
+def _decimal(value: float) -> str:
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _a1111_quote(text: str) -> str:
+    """A value of the ``parameters`` settings line, quoted as AUTOMATIC1111 quotes it (JSON
+    string syntax when it holds a comma, colon or newline, so the line still splits)."""
+    if not any(c in text for c in ',:\n"'):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def image_metadata(
+    prompt: str,
+    params: SamplingParams,
+    *,
+    model: str,
+    scheduler: str | None,
+    size: str | None = None,
+    image_index: int | None = None,
+) -> dict[str, str]:
+    """The recipe of one image, as text: what :func:`encode_image` writes into it.
+
+    Keys: ``prompt``; ``negative_prompt`` (when there is one); ``seed`` (when ``params.seed``
+    is set: pass the seed the engine used, ``output.seed``); ``steps`` (``total_steps``);
+    ``guidance_scale``; ``size`` ``"WxH"`` (``size``, else ``params`` when both sides are set,
+    else left out); ``model``; ``scheduler`` (when known); ``n`` and ``image_index`` (when
+    ``image_index`` is given); and ``parameters``, all of it in the one-text form of
+    AUTOMATIC1111's web UI (prompt, ``Negative prompt: ...``, then ``Steps: 20, Sampler: ...,
+    CFG scale: 7.5, Seed: 5, Size: 64x64, Model: ...``), which other tools read.
+
+    Seeds of several images: all ``n`` images of a request come from its one seed (image *k*
+    is the *k*-th draw from the request's generator), so every image's ``seed`` is the
+    request's and ``image_index`` says which draw it was: the same request (same seed and
+    ``n``) gives the image again; the seed alone with ``n=1`` gives image 0 only.  In
+    ``parameters`` that is ``Batch size: n, Batch pos: k`` (n > 1 only).
+
+    Prompt, negative prompt, model and scheduler are cut at
+    :data:`MAX_METADATA_FIELD_CHARS` characters and ``parameters`` at
+    :data:`MAX_METADATA_VALUE_CHARS` (each ending in an ellipsis).  Pure.
+    """
+
+    def clip(text: str) -> str:
+        return _clip(text, MAX_METADATA_FIELD_CHARS)
+
+    if size is None and params.width is not None and params.height is not None:
+        size = f"{params.width}x{params.height}"
+    n = params.num_outputs_per_prompt
+    meta: dict[str, str] = {"prompt": clip(prompt)}
+    if params.negative_prompt:
+        meta["negative_prompt"] = clip(params.negative_prompt)
+    if params.seed is not None:
+        meta["seed"] = str(params.seed)
+    meta["steps"] = str(params.total_steps)
+    meta["guidance_scale"] = _decimal(params.guidance_scale)
+    if size is not None:
+        meta["size"] = size
+    meta["model"] = clip(model)
+    if scheduler:
+        meta["scheduler"] = clip(scheduler)
+    if image_index is not None:
+        meta["n"] = str(n)
+        meta["image_index"] = str(image_index)
+
+    settings = [("Steps", meta["steps"])]
+    if "scheduler" in meta:
+        settings.append(("Sampler", meta["scheduler"]))
+    settings.append(("CFG scale", meta["guidance_scale"]))
+    if "seed" in meta:
+        settings.append(("Seed", meta["seed"]))
+    if size is not None:
+        settings.append(("Size", size))
+    settings.append(("Model", meta["model"]))
+    if image_index is not None and n > 1:
+        settings += [("Batch size", str(n)), ("Batch pos", str(image_index))]
+    lines = [meta["prompt"]]
+    if "negative_prompt" in meta:
+        lines.append(f"Negative prompt: {meta['negative_prompt']}")
+    lines.append(", ".join(f"{name}: {_a1111_quote(value)}" for name, value in settings))
+    meta["parameters"] = _clip("\n".join(lines), MAX_METADATA_VALUE_CHARS)
+    return meta
+
+
+# Latin-1 letters, digits, punctuation and spaces, 1..79 of them: a PNG text keyword.
+_PNG_KEYWORD = re.compile(
+    r"[\x21-\x7e\xa1-\xff](?:[\x20-\x7e\xa1-\xff]{0,77}[\x21-\x7e\xa1-\xff])?"
+)
+# C0 controls but tab and newline, DEL and the C1 controls: never written.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _clean_text(value: str) -> str:
+    """``value`` made safe for any text chunk: controls (but tab and newline) dropped, lone
+    surrogates (JSON can carry them) replaced, cut at :data:`MAX_METADATA_VALUE_CHARS`."""
+    value = value.encode("utf-8", "replace").decode("utf-8")
+    return _clip(_CONTROL.sub("", value), MAX_METADATA_VALUE_CHARS)
+
+
+def _exif_user_comment(text: str) -> bytes:
+    """A minimal EXIF block (big-endian TIFF) holding only ``UserComment``: ``UNICODE\\0`` and
+    ``text`` in UTF-16BE, type UNDEFINED, as the EXIF spec and piexif write it."""
+    comment = b"UNICODE\x00" + text.encode("utf-16-be")
+    exif_ifd = 8 + 2 + 12 + 4  # after the header and IFD0 (one entry: the Exif IFD pointer)
+    data = exif_ifd + 2 + 12 + 4  # after the Exif IFD (one entry: UserComment)
+    return b"".join(
+        [
+            b"Exif\x00\x00MM\x00\x2a",
+            struct.pack(">I", 8),
+            struct.pack(">HHHII", 1, 0x8769, 4, 1, exif_ifd),  # ExifIFD pointer, LONG
+            struct.pack(">I", 0),
+            struct.pack(">HHHII", 1, 0x9286, 7, len(comment), data),  # UserComment, UNDEFINED
+            struct.pack(">I", 0),
+            comment,
+        ]
+    )
+
+
+def pil_save_options(pil_format: str, metadata: Mapping[str, str] | None) -> dict[str, Any]:
+    """The ``Image.save`` keywords that write ``metadata`` into a ``pil_format`` file
+    (``"PNG"``, ``"JPEG"``, ``"WEBP"``; any other format: none, it carries no recipe).
+
+    PNG: one text chunk per key (``tEXt``, ``iTXt`` when the text is not Latin-1); JPEG and
+    WebP: ``metadata["parameters"]`` (else ``key: value`` lines) as the EXIF
+    ``UserComment``.  Values are cleaned (controls but tab and newline dropped, lone
+    surrogates replaced) and cut at :data:`MAX_METADATA_VALUE_CHARS`, so no text breaks the
+    encoder.  Raises ``ValueError`` for a key that is not a PNG keyword (1..79 Latin-1
+    characters, no leading or trailing space).
+    """
+    if not metadata:
+        return {}
+    for key in metadata:
+        if not _PNG_KEYWORD.fullmatch(key):
+            raise ValueError(f"{key!r} is not a PNG text keyword (1..79 Latin-1 characters)")
+    fmt = pil_format.upper()
+    if fmt == "PNG":
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for key, value in metadata.items():
+            info.add_text(key, _clean_text(value))  # iTXt (UTF-8) when not Latin-1
+        return {"pnginfo": info}
+    if fmt in ("JPEG", "WEBP"):
+        text = metadata.get("parameters")
+        if text is None:
+            text = "\n".join(f"{key}: {value}" for key, value in metadata.items())
+        return {"exif": _exif_user_comment(_clean_text(text))}
+    return {}
+
+
+def encode_image(
+    image: Any,
+    output_format: str,
+    compression: int | None = None,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
     """Encode a PIL image (or an HWC array: uint8, or float in [0, 1]) as ``output_format``
-    (``png`` lossless; ``jpeg``/``webp`` with quality ``compression``, default 95).
+    (``png`` lossless; ``jpeg``/``webp`` with quality ``compression``, default 95), with
+    ``metadata`` (see :func:`image_metadata`) written in as :func:`pil_save_options` says:
+    PNG text chunks, or JPEG/WebP EXIF ``UserComment`` (the ``parameters`` text only).
 
     Blocking CPU work: run it in a thread for large images.  Raises ``ValueError`` for an
-    unknown format or an array that is not an image.
+    unknown format, an array that is not an image, or a metadata key that is not a PNG
+    keyword; never for the text of a value.
     """
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"unknown output format {output_format!r}")
     pil = _to_pil(image)
     buffer = io.BytesIO()
     quality = DEFAULT_QUALITY if compression is None else compression
+    pil_format = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[output_format]
+    options = pil_save_options(pil_format, metadata)
     if output_format == "png":
-        pil.save(buffer, format="PNG")
+        pil.save(buffer, format="PNG", **options)
     elif output_format == "jpeg":
         if pil.mode not in ("RGB", "L"):
             pil = pil.convert("RGB")
-        pil.save(buffer, format="JPEG", quality=quality)
+        pil.save(buffer, format="JPEG", quality=quality, **options)
     else:
-        pil.save(buffer, format="WEBP", quality=quality)
+        pil.save(buffer, format="WEBP", quality=quality, **options)
     return buffer.getvalue()
 
 

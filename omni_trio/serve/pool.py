@@ -53,6 +53,7 @@ from trio_typing import TaskStatus
 from .._core.health import EngineState
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
+from .._core.model_info import ModelInfo
 from .._core.request import SamplingParams
 from .._core.trace import TraceRecorder
 from ..config import EngineConfig
@@ -623,10 +624,9 @@ class EnginePool:
             return "queued"
         return "running"
 
-    def default_size(self) -> tuple[int, int] | None:
-        """``(width, height)`` a request that leaves its size unset renders at: the served
-        model's default, from the first replica whose worker group has started; None while
-        none has."""
+    def model_info(self) -> ModelInfo | None:
+        """The served model's :class:`ModelInfo`, from the first replica whose worker group
+        has started; None while none has."""
         for replica in self._replicas:
             engine = replica.engine
             if engine is None:
@@ -636,8 +636,14 @@ class EnginePool:
             except EngineClosedError:  # no worker group yet
                 continue
             if info is not None:
-                return info.default_width, info.default_height
+                return info
         return None
+
+    def default_size(self) -> tuple[int, int] | None:
+        """``(width, height)`` a request that leaves its size unset renders at: the served
+        model's default (see :meth:`model_info`); None while no worker group has started."""
+        info = self.model_info()
+        return None if info is None else (info.default_width, info.default_height)
 
     def replica_engine(self, index: int) -> AsyncEngine | None:
         """Replica ``index``'s engine while it is open (for diagnostics and tests)."""

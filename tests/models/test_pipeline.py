@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from omni_trio.errors import InvalidConfigError, InvalidRequestError
+from omni_trio.models import ModelInfo
 from omni_trio.models.echo import EchoModel
 from omni_trio.models.pipeline import DiffusersModel, min_latent_side
 from omni_trio.worker.cfg_parallel import CfgParallel, CfgStatistics
@@ -32,6 +33,11 @@ def test_info(tiny_sd: Any, tiny_ddim: Any) -> None:
     assert (tiny_ddim.info.family, tiny_ddim.info.text_conditioned) == ("unconditional", False)
     assert (tiny_ddim.info.default_height, tiny_ddim.info.default_width) == (32, 32)
     assert tiny_sd.info.supports_batch and tiny_ddim.info.supports_batch
+    # The recipe names the noise scheduler: the pipeline's own class, through the wire form.
+    for model in (tiny_sd, tiny_ddim):
+        assert model.info.scheduler == type(model._pipe.scheduler).__name__
+        assert model.info.scheduler.endswith("Scheduler")
+        assert ModelInfo.from_dict(model.info.to_dict()) == model.info
 
 
 def test_np_outputs_are_float32_hwc_in_unit_range(model: Any) -> None:

@@ -1727,3 +1727,55 @@ async def test_an_idempotency_key_attaches_a_resubmission_to_the_first_request()
             r = await generate(client, headers={**one, "Idempotency-Key": "bad\tkey"})
             assert_envelope(r, 400, param="Idempotency-Key", code="invalid_idempotency_key")
         assert server.pool.in_flight == 0
+
+
+async def test_images_carry_their_recipe_unless_the_server_says_no_metadata() -> None:
+    import argparse
+
+    from omni_trio.serve.config import ServeConfig, add_serve_arguments
+    from omni_trio.serve.daemon import _Daemon
+    from omni_trio.serve.notify import SystemdNotifier
+
+    prompt = "a red fox, 狐 🦊 " + "x" * 3000  # unicode and long (the limit is 4000)
+    with trio.fail_after(CAP_S):
+        async with run_server() as server, server.client() as client:
+            # No seed given: the one the engine picked is in every image, with its index.
+            r = await generate(client, prompt=prompt, n=2, guidance_scale=3, negative_prompt="b")
+            assert r.status_code == 200, r.text
+            body = r.json()
+            for index, item in enumerate(body["data"]):
+                image, header = decode_b64(item["b64_json"])
+                assert header == (body["id"], body["seed"], index)
+                text = image.text  # type: ignore[attr-defined]
+                assert (text["prompt"], text["negative_prompt"]) == (prompt, "b")
+                assert (text["seed"], text["n"], text["image_index"]) == (
+                    str(body["seed"]),
+                    "2",
+                    str(index),
+                )
+                assert (text["steps"], text["guidance_scale"], text["size"]) == ("2", "3", "64x64")
+                assert text["model"] == MODEL and "scheduler" not in text
+                assert f"Seed: {body['seed']}, Size: 64x64" in text["parameters"]
+            # The stream's completed events carry it too.
+            _, events = await read_events(
+                client, {"prompt": "y", "size": "64x64", "num_inference_steps": 1, "stream": True}
+            )
+            done = events[-1][1]
+            image, _ = decode_b64(done["b64_json"])
+            assert image.text["seed"] == str(done["seed"])  # type: ignore[attr-defined]
+        async with (
+            run_server(app_options={"image_metadata": False}) as server,
+            server.client() as client,
+        ):
+            r = await generate(client, seed=4)
+            image, header = decode_b64(r.json()["data"][0]["b64_json"])
+            assert header[1:] == (4, 0) and image.text == {}  # type: ignore[attr-defined]
+    # --no-metadata (or image_metadata = false in the TOML) reaches the app the daemon builds.
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for flags, expected in (([], True), (["--no-metadata"], False), (["--metadata"], True)):
+        config = ServeConfig.from_args(parser.parse_args(["--model", MODEL, *flags]), environ={})
+        assert config.image_metadata is expected
+        daemon = _Daemon(config, SystemdNotifier(None), None, io.StringIO())
+        pool = EnginePool(config.engine)
+        assert daemon._build_app(pool).image_metadata is expected

@@ -5,25 +5,31 @@ from __future__ import annotations
 import base64
 import io
 import math
+import struct
 from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
 from omni_trio._core.messages import RequestMetrics
+from omni_trio._core.request import SamplingParams
 from omni_trio.models.echo import decode_echo_image, encode_echo_header
 from omni_trio.serve.images import (
     IGNORED_FIELDS,
+    MAX_METADATA_FIELD_CHARS,
+    MAX_METADATA_VALUE_CHARS,
     MAX_SEED,
     ApiError,
     ImageStore,
     ServeLimits,
     encode_b64,
     encode_image,
+    image_metadata,
     image_size,
     images_response,
     parse_generation_request,
+    pil_save_options,
 )
 from tests.serve.conftest import FakeClock
 
@@ -280,3 +286,136 @@ def test_store_evicts_the_oldest_to_stay_under_max_bytes() -> None:
     with pytest.raises(ValueError):
         ImageStore(ttl_s=0)
     assert ImageStore.url_for("http://h:1/", "file-x") == "http://h:1/v1/files/file-x/content"
+
+
+# -- the recipe in the image (#20) ----------------------------------------------------------
+
+
+def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    """``(type, payload)`` of every chunk of a PNG file, in order."""
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    chunks, at = [], 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        chunks.append((data[at + 4 : at + 8], data[at + 8 : at + 8 + length]))
+        at += 12 + length
+    return chunks
+
+
+def user_comment(data: bytes) -> str:
+    """The EXIF UserComment of a JPEG/WebP file, decoded (``UNICODE\\0`` + UTF-16BE)."""
+    exif = Image.open(io.BytesIO(data)).getexif().get_ifd(ExifTags.IFD.Exif)
+    comment = exif[ExifTags.Base.UserComment]
+    assert comment[:8] == b"UNICODE\x00"
+    return str(comment[8:].decode("utf-16-be"))
+
+
+RECIPE = SamplingParams(
+    width=64, height=48, num_inference_steps=7, guidance_scale=4.0, negative_prompt="blur", seed=5
+)
+
+
+def test_image_metadata_writes_down_the_recipe() -> None:
+    meta = image_metadata("a red fox", RECIPE, model="builtin:echo", scheduler="DDIMScheduler")
+    assert meta == {
+        "prompt": "a red fox",
+        "negative_prompt": "blur",
+        "seed": "5",
+        "steps": "7",
+        "guidance_scale": "4",
+        "size": "64x48",
+        "model": "builtin:echo",
+        "scheduler": "DDIMScheduler",
+        "parameters": "a red fox\nNegative prompt: blur\nSteps: 7, Sampler: DDIMScheduler, "
+        'CFG scale: 4, Seed: 5, Size: 64x48, Model: "builtin:echo"',
+    }
+
+
+def test_image_metadata_leaves_out_what_is_unknown_and_numbers_several_images() -> None:
+    bare = image_metadata("x", SamplingParams(guidance_scale=7.25), model="m", scheduler=None)
+    assert bare == {
+        "prompt": "x",
+        "steps": "20",
+        "guidance_scale": "7.25",
+        "model": "m",
+        "parameters": "x\nSteps: 20, CFG scale: 7.25, Model: m",
+    }
+    # n images share the request's seed; image_index tells them apart.
+    params = RECIPE.replace(num_outputs_per_prompt=3, timesteps=(900.0, 500.0, 100.0))
+    meta = image_metadata("x", params, model="m", scheduler=None, size="8x16", image_index=2)
+    assert (meta["seed"], meta["n"], meta["image_index"]) == ("5", "3", "2")
+    assert (meta["steps"], meta["size"]) == ("3", "8x16")  # explicit timesteps; the image's size
+    assert meta["parameters"].endswith(", Size: 8x16, Model: m, Batch size: 3, Batch pos: 2")
+    one = image_metadata("x", RECIPE, model="m", scheduler=None, image_index=0)
+    assert "Batch" not in one["parameters"] and one["n"] == "1"
+
+
+def test_png_carries_every_key_as_a_text_chunk_and_stays_lossless() -> None:
+    meta = image_metadata("a fox, 狐 🦊", RECIPE, model="builtin:echo", scheduler=None)
+    data = encode_image(echo_image("abc", 9), "png", metadata=meta)
+    decoded = Image.open(io.BytesIO(data))
+    assert decoded.text == meta  # type: ignore[attr-defined]
+    assert decode_echo_image(decoded) == ("abc", 9, 0)
+    kinds = {payload.split(b"\0", 1)[0].decode(): kind for kind, payload in png_chunks(data)
+             if kind in (b"tEXt", b"iTXt", b"zTXt")}  # fmt: skip
+    assert kinds["prompt"] == b"iTXt" and kinds["parameters"] == b"iTXt"  # beyond Latin-1
+    assert kinds["seed"] == kinds["model"] == kinds["negative_prompt"] == b"tEXt"
+    assert set(kinds) == set(meta)
+
+
+def test_without_metadata_an_image_has_no_text() -> None:
+    for metadata in (None, {}):
+        data = encode_image(echo_image(), "png", metadata=metadata)
+        assert Image.open(io.BytesIO(data)).text == {}  # type: ignore[attr-defined]
+        assert not [k for k, _ in png_chunks(data) if k in (b"tEXt", b"iTXt", b"zTXt")]
+        for fmt in ("jpeg", "webp"):
+            lossy = Image.open(io.BytesIO(encode_image(echo_image(), fmt, metadata=metadata)))
+            assert ExifTags.Base.UserComment not in lossy.getexif().get_ifd(ExifTags.IFD.Exif)
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "webp"])
+def test_lossy_formats_carry_the_parameters_text_as_exif_user_comment(fmt: str) -> None:
+    meta = image_metadata('ünïcode 🦊, "quoted"', RECIPE, model="m", scheduler=None)
+    data = encode_image(echo_image(), fmt, 80, metadata=meta)
+    assert user_comment(data) == meta["parameters"]
+    # Without a parameters text, the keys are written one per line.
+    data = encode_image(echo_image(), fmt, metadata={"seed": "5", "prompt": "p"})
+    assert user_comment(data) == "seed: 5\nprompt: p"
+
+
+HOSTILE = "\ud800 lone surrogate \x00 nul \x1b[31m \x7f \x85 tab\tnew\nline " + "🦊" * 20_000
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
+def test_hostile_text_never_breaks_the_encoder(fmt: str) -> None:
+    params = RECIPE.replace(negative_prompt=HOSTILE)
+    meta = image_metadata(HOSTILE, params, model=HOSTILE, scheduler=HOSTILE)
+    assert len(meta["prompt"]) == MAX_METADATA_FIELD_CHARS and meta["prompt"].endswith("…")
+    assert len(meta["parameters"]) == MAX_METADATA_VALUE_CHARS  # four cut fields: cut again
+    data = encode_image(echo_image(), fmt, metadata=meta)
+    if fmt == "png":
+        text = Image.open(io.BytesIO(data)).text  # type: ignore[attr-defined]
+        assert set(text) == set(meta)
+        assert text["prompt"].startswith("? lone surrogate  nul [31m   tab\tnew\nline 🦊")
+        assert len(text["prompt"]) == MAX_METADATA_FIELD_CHARS - 4  # 4 controls dropped
+    else:
+        comment = user_comment(data)
+        assert comment.startswith("? lone surrogate  nul [31m   tab\tnew\nline 🦊")
+        assert len(comment) <= MAX_METADATA_VALUE_CHARS
+    # Any caller's value, however long, is cut to fit (JPEG's EXIF segment is 64 KiB).
+    huge = encode_image(echo_image(), fmt, metadata={"parameters": "🦊" * 100_000})
+    assert Image.open(io.BytesIO(huge)).size == (64, 64)
+
+
+@pytest.mark.parametrize("key", ["", " lead", "trail ", "x" * 80, "ключ", "a\0b"])
+def test_a_key_that_is_not_a_png_keyword_is_a_value_error(key: str) -> None:
+    with pytest.raises(ValueError, match="PNG text keyword"):
+        encode_image(echo_image(), "png", metadata={key: "v"})
+    assert pil_save_options("PNG", {"x" * 79: "v", "Ünï code": "v"})  # 79 Latin-1: fine
+
+
+def test_pil_save_options_by_format() -> None:
+    meta = {"parameters": "p"}
+    assert set(pil_save_options("png", meta)) == {"pnginfo"}
+    assert set(pil_save_options("JPEG", meta)) == set(pil_save_options("WEBP", meta)) == {"exif"}
+    assert pil_save_options("BMP", meta) == {} and pil_save_options("PNG", None) == {}
