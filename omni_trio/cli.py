@@ -153,6 +153,14 @@ def _add_engine_options(
         "(default: 1)",
     )
     group.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="N worker processes, each running different requests of a wave "
+        "(data_parallel_size; implies --workers N; default: 1)",
+    )
+    group.add_argument(
         "--cfg-parallel",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -572,6 +580,7 @@ def _engine_config(
         ("model", "model"),
         ("backend", "backend"),
         ("workers", "num_workers"),
+        ("data_parallel", "data_parallel_size"),
         ("max_num_seqs", "max_num_seqs"),
         ("threads", "torch_threads"),
         ("cache_dir", "cache_dir"),
@@ -837,10 +846,12 @@ def _demo_main(args: argparse.Namespace) -> int:
     if mode == "auto":
         mode = "live" if _is_tty(sys.stdout) else "plain"
 
+    dp = config.data_parallel_size
     print(
         f"{PROG} demo: model {config.model}, {len(prompts)} prompts, {args.steps} steps, "
-        f"max_num_seqs {config.max_num_seqs}, backend {config.backend}, "
-        f"torch threads {config.resolved_torch_threads}"
+        f"max_num_seqs {config.max_num_seqs}, backend {config.backend}"
+        + (f" x {dp} data-parallel workers" if dp > 1 else "")
+        + f", torch threads {config.resolved_torch_threads}"
     )
     sys.stdout.flush()
     try:

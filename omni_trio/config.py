@@ -159,6 +159,14 @@ class EngineConfig:
     on each worker.  More than two workers with ``cfg_parallel=True`` is refused here, when
     the config is made; ``False`` makes every worker a full replica.
 
+    ``data_parallel_size``: run that many worker processes, each on *different* requests (a
+    wave or tick of up to ``data_parallel_size x max_num_seqs`` compatible requests is split
+    across the ranks, results mapped back by request id); one engine, one scheduler.  It
+    implies ``num_workers`` (left at 1, it becomes ``data_parallel_size``; set, it must be
+    equal) and needs a process backend (``"auto"`` chooses tractor).  Each rank runs the
+    whole model: ``cfg_parallel`` does not apply (CFG-parallel data-parallel ranks are not
+    built yet).
+
     Cross-field rules are checked here too, not first when the engine opens: the inproc
     backend runs exactly one worker, and ``cfg_parallel`` uses at most two.  ``device`` must
     be ``cpu``, ``cuda``, ``mps`` or ``xpu`` (with an optional ``:INDEX``); for the backends
@@ -171,6 +179,7 @@ class EngineConfig:
     backend: Any = AUTO_BACKEND
     num_workers: int = 1
     cfg_parallel: bool = True
+    data_parallel_size: int = 1
     device: str | None = None
     dtype: str = "auto"
     torch_threads: int | None = None
@@ -256,6 +265,11 @@ class EngineConfig:
             raise InvalidConfigError("model must be a non-empty string", field="model")
         if not isinstance(self.model_options, Mapping):
             raise InvalidConfigError("model_options must be a mapping", field="model_options")
+        _positive_int("data_parallel_size", self.data_parallel_size)
+        implied = self.data_parallel_size > 1 and self.num_workers == 1
+        if implied:
+            object.__setattr__(self, "num_workers", self.data_parallel_size)
+        object.__setattr__(self, "_workers_implied", implied)
         backend = self.backend
         chosen = backend == AUTO_BACKEND
         if chosen:
@@ -366,6 +380,23 @@ class EngineConfig:
         """The rules between fields that the executors and workers would otherwise only
         enforce when the engine opens (they still do, as a defence)."""
         workers = self.num_workers
+        dp = self.data_parallel_size
+        if dp > 1:
+            if self.backend == "inproc":
+                raise InvalidConfigError(
+                    f"data_parallel_size={dp} runs {dp} worker processes; the inproc backend "
+                    "runs one worker in this process: use backend 'tractor' or 'ray' (or leave "
+                    "backend unset)",
+                    field="data_parallel_size",
+                )
+            if workers != dp:
+                raise InvalidConfigError(
+                    f"data_parallel_size={dp} runs one worker per rank, so num_workers must be "
+                    f"{dp} (or left unset), not {workers}; CFG-parallel data-parallel ranks "
+                    "are not built yet",
+                    field="num_workers",
+                )
+            return  # every rank runs the whole model: cfg_parallel does not apply
         if self.backend == "inproc" and workers != 1:
             raise InvalidConfigError(
                 f"the inproc backend runs exactly one worker, not num_workers={workers}; use "
@@ -402,7 +433,14 @@ class EngineConfig:
             raise InvalidConfigError(
                 f"unknown EngineConfig field(s): {', '.join(unknown)}", field=unknown[0]
             )
-        if "num_workers" in changes and "backend" not in changes and self.backend_by_count:
+        if (
+            "data_parallel_size" in changes
+            and "num_workers" not in changes
+            and getattr(self, "_workers_implied", False)
+        ):
+            changes["num_workers"] = 1  # implied again by the new size
+        resized = "num_workers" in changes or "data_parallel_size" in changes
+        if resized and "backend" not in changes and self.backend_by_count:
             changes["backend"] = AUTO_BACKEND
         return dataclasses.replace(self, **changes)
 
@@ -416,7 +454,8 @@ class EngineConfig:
         may wait for its packed output)."""
         return CoreConfig(
             step_execution=self.step_execution,
-            max_num_seqs=self.max_num_seqs,
+            # Each data-parallel rank runs up to max_num_seqs of a wave's requests.
+            max_num_seqs=self.max_num_seqs * self.data_parallel_size,
             request_batch_max_wait_ms=self.request_batch_max_wait_ms,
             streaming_output=self.streaming_output,
             preview_interval=self.preview_interval,

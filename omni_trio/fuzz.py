@@ -135,6 +135,7 @@ _CAMPAIGN_FLAGS = {
     "examples": "--examples",
     "steps": "--steps",
     "max_num_seqs": "--max-num-seqs",
+    "data_parallel": "--data-parallel",
     "faults": "--faults",
     "no_faults": "--no-faults",
     "no_crash_rule": "--no-crash-rule",
@@ -236,6 +237,13 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="engine batch size (2)",
+    )
+    campaign.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tractor, ray: N data-parallel worker processes, each running different requests (1)",
     )
     faults = campaign.add_mutually_exclusive_group()
     faults.add_argument(
@@ -370,6 +378,14 @@ def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
     }
     if args.max_num_seqs is not None:
         fields["max_num_seqs"] = args.max_num_seqs
+    if args.data_parallel is not None:
+        if (args.backend or "inproc") == "inproc" and args.data_parallel > 1:
+            raise CliError(
+                f"{PROG} fuzz --data-parallel {args.data_parallel} runs worker processes: "
+                "use --backend tractor or ray",
+                EXIT_USAGE,
+            )
+        fields["data_parallel_size"] = args.data_parallel
     if args.start_method is not None:
         fields["worker_start_method"] = args.start_method
     if args.no_faults:
@@ -579,7 +595,8 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
             limits.append(f"{plan.duration_s:g} s")
         print(
             f"{PROG} fuzz: {options.backend}/{options.mode}, {plan.steps} steps per example, "
-            f"max_num_seqs {options.max_num_seqs}, faults {faults}, "
+            f"max_num_seqs {options.max_num_seqs}, "
+            f"data parallel {options.data_parallel_size}, faults {faults}, "
             f"crash rule {'on' if options.crash_rule else 'off'}, "
             f"close rule {'on' if options.close_rule else 'off'}, "
             f"seed {plan.seed if plan.seed is not None else 'random'}, "

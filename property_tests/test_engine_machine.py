@@ -66,8 +66,24 @@ def test_tractor_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None
     _check_campaign(stats)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_data_parallel_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None:
+    """Two data-parallel ranks, each running its own share of every wave or tick: faults
+    fire on the rank that runs the faulty request, and a crash of either fails the group."""
+    options = MachineOptions(
+        backend="tractor",
+        mode=mode,
+        cache_dir=str(cache_dir),
+        worker_start_method="forkserver",
+        data_parallel_size=2,
+    )
+    stats = run_engine_machine(options, engine_settings("tractor"))
+    _check_campaign(stats)
+
+
 def test_machine_options_round_trip() -> None:
-    options = MachineOptions(backend="tractor", mode="step", max_num_seqs=3)
+    options = MachineOptions(backend="tractor", mode="step", max_num_seqs=3, data_parallel_size=2)
     assert MachineOptions.from_dict(options.to_dict()) == options
     assert dataclasses.asdict(options)["faults"]
 

@@ -574,6 +574,8 @@ def test_a_hub_id_says_how_to_make_a_local_copy(
     [
         (["--workers", "3"], "cfg_parallel splits each guidance step between exactly 2 workers"),
         (["--backend", "inproc", "--workers", "2"], "the inproc backend runs exactly one worker"),
+        (["--backend", "inproc", "--data-parallel", "2"], "data_parallel_size=2 runs 2 worker"),
+        (["--data-parallel", "2", "--workers", "3"], "num_workers must be 2 (or left unset)"),
     ],
 )
 def test_cross_field_errors_are_one_line_before_anything_starts(
@@ -808,6 +810,27 @@ def test_generate_runs_on_the_tractor_backend(
     assert decode_echo_image(Image.open(out))[1] == 3
     err = capsys.readouterr().err
     assert err.startswith("loading builtin:echo: start 1 tractor worker(s)… ready (")
+
+
+def test_demo_runs_on_data_parallel_workers(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--data-parallel 2 reaches the engine (two tractor worker processes, said in the
+    header) and the demo runs to its grid (the split itself: tests/executors/)."""
+    from omni_trio.cli import _engine_config
+
+    args = cli.build_parser().parse_args(["demo", "--data-parallel", "2"])
+    config = _engine_config(args, defaults={})
+    assert (config.data_parallel_size, config.num_workers, config.backend) == (2, 2, "tractor")
+    grid = tmp_path / "grid.png"
+    argv = _echo(
+        "demo", "--prompts", "4", "--steps", "2", "--no-warmup", "--no-previews",
+        "--progress", "none", "--data-parallel", "2", "--threads", "1", "--out", str(grid),
+        cache_dir=cache_dir,
+    )  # fmt: skip
+    assert main(argv) == EXIT_OK
+    assert Image.open(grid).size[0] > 0
+    assert "backend tractor x 2 data-parallel workers" in capsys.readouterr().out
 
 
 # -- demo: the user's prompts (#21) ---------------------------------------------------------------

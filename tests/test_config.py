@@ -109,6 +109,48 @@ def test_cross_field_rules_accept_what_the_workers_can_run() -> None:
     assert EngineConfig(backend=_CustomExecutor, num_workers=2).num_workers == 2
 
 
+def test_data_parallel_implies_its_workers_and_a_process_backend() -> None:
+    config = EngineConfig(data_parallel_size=3, max_num_seqs=2)
+    assert (config.num_workers, config.backend) == (3, "tractor")
+    # One scheduler for every rank: its capacity is every rank's max_num_seqs.
+    assert config.core_config().max_num_seqs == 6
+    assert EngineConfig(max_num_seqs=2).core_config().max_num_seqs == 2
+    # The ranks are not CFG pairs: cfg_parallel (on by default) does not apply to them.
+    assert EngineConfig(data_parallel_size=4, cfg_parallel=True).num_workers == 4
+    assert EngineConfig(backend="ray", data_parallel_size=2, num_workers=2).backend == "ray"
+    # replace: an implied worker count follows the size; a named one is kept (and checked).
+    assert config.replace(data_parallel_size=2).num_workers == 2
+    back = config.replace(data_parallel_size=1)
+    assert (back.num_workers, back.backend) == (1, "inproc")
+    assert EngineConfig().replace(data_parallel_size=2).backend == "tractor"
+    with pytest.raises(InvalidConfigError) as info:
+        EngineConfig(num_workers=2, cfg_parallel=False).replace(data_parallel_size=3)
+    assert info.value.field == "num_workers"
+    # A worker process runs one in-process worker of the group: no data parallelism of its own.
+    from omni_trio.executors.group import wire_config
+
+    wired = EngineConfig.from_dict(wire_config(config))
+    assert (wired.num_workers, wired.data_parallel_size, wired.backend) == (1, 1, "inproc")
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"data_parallel_size": 2, "backend": "inproc"}, "data_parallel_size", "inproc backend"),
+        ({"data_parallel_size": 2, "num_workers": 4}, "num_workers", "num_workers must be 2"),
+        ({"data_parallel_size": 2, "num_workers": 3}, "num_workers", "not 3"),
+        ({"data_parallel_size": 0}, "data_parallel_size", "positive integer"),
+        ({"data_parallel_size": True}, "data_parallel_size", "positive integer"),
+    ],
+)
+def test_bad_data_parallel_configs_are_refused_naming_the_field(
+    fields: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        EngineConfig(**fields)
+    assert info.value.field == field and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:", "cuda:x", "CUDA", "cuda:0:1", "", 0])
 def test_an_unknown_device_is_refused_naming_the_types(device: Any) -> None:
     with pytest.raises(InvalidConfigError) as info:

@@ -149,10 +149,12 @@ async def test_the_warmup_is_not_counted_in_the_statistics(cache_dir: Path) -> N
 
 def test_the_docs_say_how_to_scale_throughput() -> None:
     readme = " ".join(_read("README.md").split())
-    assert "grows with `--replicas K`" in readme and "not with `--workers`" in readme
+    assert "grows with `--data-parallel N`" in readme and "not with `--workers`" in readme
+    assert "with `--replicas K`" in readme
     operations = " ".join(_read("docs/operations.md").split())
     assert "### Scaling throughput" in _read("docs/operations.md")
-    assert "(`--replicas K`)" in operations and "(`--workers N`) does **not**" in operations
+    assert "(`--replicas K`)" in operations and "(`--data-parallel N`)" in operations
+    assert "(`--workers N`) alone does **not**" in operations
 
 
 def test_the_readme_serve_example_waits_for_ready() -> None:

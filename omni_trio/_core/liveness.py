@@ -17,6 +17,7 @@ has judged the group dead it says so on every later check.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import StallError, WorkerError
@@ -94,17 +95,25 @@ class LivenessTracker:
         if packer_alive is not None:
             state.packer_alive = packer_alive
 
-    def call_started(self, now: float) -> None:
-        """A call was sent to every rank: the progress clock of an idle rank starts now."""
-        for state in self._state.values():
+    def call_started(self, now: float, ranks: Iterable[int] | None = None) -> None:
+        """A call was sent to ``ranks`` (None: every rank): the progress clock of an idle
+        one starts now."""
+        for state in self._states(ranks):
             if state.calls == 0:
                 state.last_progress = now
             state.calls += 1
 
-    def call_ended(self) -> None:
-        """A call sent to every rank has come back (or was given up)."""
-        for state in self._state.values():
+    def call_ended(self, ranks: Iterable[int] | None = None) -> None:
+        """A call sent to ``ranks`` (None: every rank) has come back from them (or was
+        given up).  A rank that has answered is no longer in the call, however long the
+        others take."""
+        for state in self._states(ranks):
             state.calls = max(0, state.calls - 1)
+
+    def _states(self, ranks: Iterable[int] | None) -> list[RankLiveness]:
+        if ranks is None:
+            return list(self._state.values())
+        return [self._state[r] for r in ranks if r in self._state]
 
     @property
     def busy(self) -> bool:

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import trio
 from trio_typing import TaskStatus
 
+from .._core.data_parallel import DataParallelRouter
 from .._core.health import WorkerState, WorkerStatus
 from .._core.liveness import LivenessTracker
 from .._core.messages import (
@@ -45,6 +46,7 @@ from .._core.messages import (
     AsyncOutputKind,
     BatchRunnerOutput,
     Heartbeat,
+    RunnerOutput,
     SchedulerOutput,
     WorkerAbort,
     WorkerCall,
@@ -53,7 +55,7 @@ from .._core.model_info import ModelInfo
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, PayloadError, StallError, WorkerError
 from .base import Executor
-from .result_pump import ResultPump, register_async_outputs
+from .result_pump import OutputCallback, ResultPump, register_async_outputs
 
 __all__ = [
     "SECRET_ENV_WORDS",
@@ -134,6 +136,7 @@ def wire_config(config: EngineConfig) -> dict[str, Any]:
     data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     data["backend"] = "inproc"
     data["num_workers"] = 1
+    data["data_parallel_size"] = 1
     data["torch_threads"] = config.resolved_torch_threads
     data["model_options"] = dict(config.model_options)
     return data
@@ -161,6 +164,7 @@ class RankInit:
     world_size: int
     config: Mapping[str, Any]  # :func:`wire_config`
     dist_init_method: str | None  # a CFG-parallel group's rendezvous (two ranks)
+    data_parallel_size: int = 1  # replica groups among the world_size ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +284,16 @@ class GroupExecutor(Executor):
         self._group_scope: trio.CancelScope | None = None
         self._serve_done = trio.Event()
         self._closing = False
+        # Data-parallel ranks (data_parallel_size > 1): who runs what, and which rank's pump
+        # each announced async output comes from (absent: rank 0's).
+        self._dp = (
+            DataParallelRouter(config.data_parallel_size, step_mode=config.step_execution)
+            if config.data_parallel_size > 1
+            else None
+        )
+        self._output_ranks: dict[str, int] = {}
+        # The rank running each request of the call in flight (data parallel).
+        self._dp_running: dict[str, int] = {}
 
     @abc.abstractmethod
     def make_transport(self) -> Transport:
@@ -327,7 +341,7 @@ class GroupExecutor(Executor):
         try:
             with trio.fail_after(budget):
                 dist = None
-                if config.num_workers > 1 and config.cfg_parallel:
+                if config.num_workers > 1 and config.cfg_parallel and self._dp is None:
                     dist = await self.transport.rendezvous()
                 await self._start_ranks(ranks, dist)
         except trio.TooSlowError:
@@ -345,7 +359,8 @@ class GroupExecutor(Executor):
 
         async def start(rank: int, starters: trio.Nursery) -> None:
             try:
-                started = await ranks.start(self._serve_rank, RankInit(rank, n, wire, dist))
+                init = RankInit(rank, n, wire, dist, self.config.data_parallel_size)
+                started = await ranks.start(self._serve_rank, init)
                 self._ranks[rank].started = started
             except Exception as exc:
                 errors.append(exc)
@@ -539,6 +554,7 @@ class GroupExecutor(Executor):
         timeout: float | None = None,
         abort_ids: Sequence[str] = (),
         with_rpc_id: bool = False,
+        per_rank: Mapping[int, tuple[Any, ...]] | None = None,
     ) -> dict[int, AsyncOutput]:
         """Send one call to every rank; every rank's reply, each read by its pump.  A rank's
         error becomes one :class:`WorkerError` naming every failed rank (a ``fatal`` one, a
@@ -548,19 +564,30 @@ class GroupExecutor(Executor):
         ``abort_ids`` are aborted (the forward stops at its next step).
         ``with_rpc_id`` passes the call's id to the method (``rpc_id=``).  A call the
         transport cannot send to the first rank (its codec cannot carry an argument) raises
-        :class:`PayloadError`: nothing was sent, the group is fine."""
+        :class:`PayloadError`: nothing was sent, the group is fine.  ``per_rank`` (data
+        parallel): only those ranks are called, each with its own ``args``."""
         self._check_usable()
         rpc_id = f"{self._tag}-{next(self._ids)}"
-        states = [self._ranks[rank] for rank in sorted(self._ranks)]
+        ranks = sorted(self._ranks) if per_rank is None else sorted(per_rank)
+        states = [self._ranks[rank] for rank in ranks]
         call_kwargs = dict(kwargs or {})
         if with_rpc_id:
             call_kwargs["rpc_id"] = rpc_id
-        call = WorkerCall(rpc_id, method, tuple(args), call_kwargs, reply_rank)
+        calls = {
+            rank: WorkerCall(
+                rpc_id,
+                method,
+                tuple(args if per_rank is None else per_rank[rank]),
+                call_kwargs,
+                reply_rank,
+            )
+            for rank in ranks
+        }
         for state in states:
             state.pump.register_rpc(rpc_id)
         for index, state in enumerate(states):
             try:
-                self.transport.send(state.rank, call)
+                self.transport.send(state.rank, calls[state.rank])
             except Exception as exc:
                 if index:  # some rank has the call: the group no longer agrees
                     raise
@@ -569,30 +596,52 @@ class GroupExecutor(Executor):
                 raise PayloadError(
                     f"{method!r} could not be sent: {type(exc).__name__}: {exc}"
                 ) from exc
-        self._tracker.call_started(trio.current_time())
+        self._tracker.call_started(trio.current_time(), ranks)
+        in_call = set(ranks)
         replies: dict[int, AsyncOutput] = {}
-        failed: list[WorkerError] = []
+        failed_by_rank: dict[int, WorkerError] = {}
+        errors: list[Exception] = []
+
+        async def wait_reply(state: _Rank) -> None:
+            # Every rank's reply is awaited at once: a rank that answered leaves the call
+            # (its liveness clock stops) however long the others take.
+            try:
+                replies[state.rank] = await state.pump.wait_rpc(rpc_id, math.inf)
+            except WorkerError as exc:
+                if self._dead_reason is not None:
+                    errors.append(exc)
+                else:
+                    failed_by_rank[state.rank] = exc
+            except Exception as exc:  # the group failed: the pump's failure
+                errors.append(exc)
+            finally:
+                in_call.discard(state.rank)
+                self._tracker.call_ended((state.rank,))
+
         try:
             with trio.fail_after(math.inf if timeout is None else timeout):
-                for state in states:
-                    try:
-                        replies[state.rank] = await state.pump.wait_rpc(rpc_id, math.inf)
-                    except WorkerError as exc:
-                        if self._dead_reason is not None:
-                            raise
-                        failed.append(exc)
+                if len(states) == 1:
+                    await wait_reply(states[0])
+                else:
+                    async with trio.open_nursery() as waiters:
+                        for state in states:
+                            waiters.start_soon(wait_reply, state)
+                if errors:
+                    raise errors[0]
         except trio.TooSlowError:
             error = StallError("rpc", f"{method!r} got no reply within {timeout} s")
             self._fail_group(error)
             raise error from None
-        except trio.Cancelled:
-            if abort_ids:
+        except BaseException as exc:
+            # Cancelled (bare, or several waiters' Cancelled in one group)
+            if abort_ids and _is_cancellation(exc):
                 self.abort_requests(abort_ids)
             raise
         finally:
-            self._tracker.call_ended()
+            self._tracker.call_ended(in_call)
             for state in states:
                 state.pump.forget_rpc(rpc_id)
+        failed = [failed_by_rank[rank] for rank in ranks if rank in failed_by_rank]
         if failed:
             failure = _rank_failures(method, failed)
             if failure.fatal:  # a rank is broken itself (a device fault): replace the group
@@ -601,6 +650,8 @@ class GroupExecutor(Executor):
         return replies
 
     async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
+        if self._dp is not None:
+            return await self._execute_data_parallel(method, scheduler_output, self._dp)
         try:
             replies = await self._call(
                 method,
@@ -624,6 +675,53 @@ class GroupExecutor(Executor):
             register_async_outputs(self._ranks[0].pump, result)
         return result
 
+    async def _execute_data_parallel(
+        self, method: str, scheduler_output: SchedulerOutput, router: DataParallelRouter
+    ) -> BatchRunnerOutput:
+        """Each rank runs its own share (:class:`DataParallelRouter`); the replies are
+        merged by request id.  A rank missing a request it was given, or answering for one
+        it was not, is a broken worker (the group fails, as for any bad reply)."""
+        shares = router.split(scheduler_output)
+        if not shares:
+            return BatchRunnerOutput()
+        self._dp_running = {
+            rid: rank for rank, share in shares.items() for rid in share.scheduled_request_ids
+        }
+        try:
+            replies = await self._call(
+                method,
+                reply_rank=None,  # every rank ships its own share's results
+                abort_ids=scheduler_output.scheduled_request_ids,
+                with_rpc_id=method == "execute_scheduler_output",
+                per_rank={rank: (share,) for rank, share in shares.items()},
+            )
+        except (trio.Cancelled, EngineClosedError, PayloadError):
+            raise
+        except Exception as exc:  # (several waiters' Cancelled are a BaseExceptionGroup)
+            self._fail_group(exc)
+            raise EngineDeadError(f"worker group failed: {exc}") from exc
+        finally:
+            self._dp_running = {}
+        merged: dict[str, RunnerOutput] = {}
+        for rank in sorted(replies):
+            reply, share = replies[rank], shares[rank]
+            result = reply.result
+            expected = set(share.scheduled_request_ids)
+            if not isinstance(result, BatchRunnerOutput) or set(result.request_ids) - expected:
+                what = type(result).__name__
+                if isinstance(result, BatchRunnerOutput):
+                    what = f"outputs for {sorted(set(result.request_ids) - expected)}"
+                error = WorkerError(f"{method!r} returned {what}", worker=rank)
+                self._fail_group(error)
+                raise EngineDeadError(str(error)) from error
+            if reply.kind is AsyncOutputKind.COMPUTE_DONE:
+                register_async_outputs(self._ranks[rank].pump, result)
+            for output in result:
+                if output.async_output_id and rank:
+                    self._output_ranks[output.async_output_id] = rank
+                merged[output.request_id] = output
+        return BatchRunnerOutput(merged)
+
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return await self._execute("execute_scheduler_output", scheduler_output)
 
@@ -645,18 +743,57 @@ class GroupExecutor(Executor):
             return [replies[rank].result for rank in sorted(replies)]
         return replies[unique_reply_rank].result
 
+    # -- async outputs: each from the pump of the rank that announced it ----------------
+
+    def _pump_of(self, async_output_id: str) -> ResultPump:
+        return self._ranks[self._output_ranks.get(async_output_id, 0)].pump
+
+    async def wait_output(self, async_output_id: str) -> RunnerOutput:
+        try:
+            output: RunnerOutput = await self._pump_of(async_output_id).wait_output(async_output_id)
+        finally:
+            self._output_ranks.pop(async_output_id, None)
+        return output
+
+    def claim_output(self, async_output_id: str, callback: OutputCallback) -> None:
+        pump = self._pump_of(async_output_id)
+        self._output_ranks.pop(async_output_id, None)  # the pump holds the claim now
+        pump.claim(async_output_id, callback)
+
+    def drop_output(self, async_output_id: str) -> None:
+        pump = self._pump_of(async_output_id)
+        self._output_ranks.pop(async_output_id, None)
+        pump.drop(async_output_id)
+
     def abort_requests(self, request_ids: Sequence[str] | Any) -> None:
         ids = tuple(request_ids)
         if not ids or self._closed:
             return
-        for rank in self._ranks:
-            self.transport.send(rank, WorkerAbort(ids))
+        if self._dp is None:
+            for rank in self._ranks:
+                self.transport.send(rank, WorkerAbort(ids))
+            return
+        # Data parallel: only the rank running (or holding) a request hears of its abort,
+        # so no other rank keeps a stop flag for a request it will never run.
+        by_rank: dict[int, list[str]] = {}
+        for rid in ids:
+            holder = self._dp_running.get(rid, self._dp.owner(rid))
+            if holder is not None:
+                by_rank.setdefault(holder, []).append(rid)
+        for holder, owned in by_rank.items():
+            self.transport.send(holder, WorkerAbort(tuple(owned)))
 
     # -- introspection ------------------------------------------------------------------
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
-        state = self._ranks.get(0)
-        return state.progress.get(request_id) if state is not None else None
+        if self._dp is None:
+            state = self._ranks.get(0)
+            return state.progress.get(request_id) if state is not None else None
+        for state in self._ranks.values():  # data parallel: whichever rank runs it
+            found = state.progress.get(request_id)
+            if found is not None:
+                return found
+        return None
 
     def leftovers(self) -> dict[str, set[str]]:
         held: dict[str, set[str]] = {}
@@ -701,6 +838,15 @@ class GroupExecutor(Executor):
         """rank -> the host each worker runs on (where the backend knows it)."""
         nodes = {r: s.started.node for r, s in self._ranks.items() if s.started is not None}
         return {r: node for r, node in nodes.items() if node is not None}
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio's Cancelled, alone or as every member of a group."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
+    return False
 
 
 def _rank_failures(method: str, failed: Sequence[WorkerError]) -> WorkerError:

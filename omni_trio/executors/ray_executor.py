@@ -466,7 +466,9 @@ class RayTransport(Transport):
         # Watch from the start: an actor that dies while loading is seen too.
         link.watch_ref = actor.watch.options(concurrency_group=CONTROL_GROUP).remote()
         try:
-            started = await self._await_ref(actor.start.remote(init.dist_init_method))
+            started = await self._await_ref(
+                actor.start.remote(init.dist_init_method, init.data_parallel_size)
+            )
         except Exception as exc:
             raise self._boxed(rank, exc, "startup") from None
         link.pid, link.node_ip = int(started["pid"]), str(started["node_ip"])

@@ -520,6 +520,7 @@ class TractorTransport(Transport):
                 # Under forkserver the worker's OS parent is the fork server: say who the
                 # engine is, so the worker ends when this process dies.
                 engine_pid=os.getpid(),
+                data_parallel_size=init.data_parallel_size,
             ) as (ctx, started),
             ctx.open_stream() as stream,
         ):

@@ -550,6 +550,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--workers", ("engine", "num_workers"), "workers per replica", type=int, metavar="N"),
     Flag(
+        "--data-parallel",
+        ("engine", "data_parallel_size"),
+        "worker processes per replica, each running different requests (implies --workers)",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
         "--replicas", ("replicas",), "independent engines behind the router", type=int, metavar="K"
     ),
     Flag(

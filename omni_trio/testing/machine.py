@@ -94,6 +94,8 @@ class MachineOptions:
     backend: str = "inproc"
     mode: str = "request"  # "request" or "step"
     max_num_seqs: int = 2
+    # tractor, ray: data-parallel ranks (each runs different requests).
+    data_parallel_size: int = 1
     step_delay_s: float = 0.005
     faults: tuple[Fault, ...] = FAILING_FAULTS + BENIGN_FAULTS
     crash_rule: bool = True
@@ -144,6 +146,7 @@ def engine_config_for(options: MachineOptions) -> EngineConfig:
         step_execution=step,
         streaming_output=step,
         max_num_seqs=options.max_num_seqs,
+        data_parallel_size=options.data_parallel_size,
         warmup=False,
         fault_injection=True,
         max_worker_restarts=10_000,

@@ -106,7 +106,9 @@ class RayWorker:
             port = sock.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def start(self, dist_init_method: str | None = None) -> dict[str, Any]:
+    def start(
+        self, dist_init_method: str | None = None, data_parallel_size: int = 1
+    ) -> dict[str, Any]:
         """Select the device, join the CFG group (two ranks), load the model, start the
         output packer; report the pid, node address and model info."""
         import ray
@@ -119,6 +121,7 @@ class RayWorker:
             rank=self.rank,
             world_size=self.world_size,
             dist_init_method=dist_init_method,
+            data_parallel_size=data_parallel_size,
         )
         host = WorkerHost(worker, self._post)
         self._host = host

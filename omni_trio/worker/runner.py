@@ -215,7 +215,8 @@ class ModelRunner:
         """Step mode: one denoising step for every scheduled request (see StepRunner)."""
         if self._step_runner is None:
             raise RuntimeError("step execution is not enabled for this runner")
-        self.steps_done += 1
+        if not scheduler_output.is_empty:  # (an empty one only frees finished requests)
+            self.steps_done += 1
         return self._step_runner.execute(scheduler_output)
 
     def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:

@@ -163,6 +163,7 @@ async def serve_worker(
     dist_init_method: str | None = None,
     shm_tag: str = "",
     engine_pid: int | None = None,
+    data_parallel_size: int = 1,
 ) -> None:
     """Load the model, report ready (pid and model info), then serve the executor's
     messages until the stream ends or the context is cancelled; the worker is shut down on
@@ -212,7 +213,11 @@ async def serve_worker(
     thread = WorkerThread(f"omni-trio-worker-{rank}", stall_timeout_s=engine_config.close_timeout_s)
     thread.start()
     worker = Worker(
-        engine_config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
+        engine_config,
+        rank=rank,
+        world_size=world_size,
+        dist_init_method=dist_init_method,
+        data_parallel_size=data_parallel_size,
     )
     host = WorkerHost(worker, post_output)
     try:

@@ -98,6 +98,12 @@ class Worker:
 
     ``dist_init_method`` (``tcp://HOST:PORT``, the same for every rank) is where the ranks of
     a CFG-parallel group meet; required when ``world_size > 1`` and ``config.cfg_parallel``.
+
+    ``data_parallel_size``: the ``world_size`` ranks form that many *replica groups* of
+    ``world_size // data_parallel_size`` ranks, each group running its own requests; a rank
+    cooperates (CFG-parallel, lockstep ticks) only within its group, and the first rank of
+    each group is an output rank (it packs and ships its group's results).  Devices are
+    still chosen by the global ``rank`` among ``world_size``.
     """
 
     def __init__(
@@ -109,10 +115,15 @@ class Worker:
         stop_flags: StopFlags | None = None,
         progress: StepProgress | None = None,
         dist_init_method: str | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.data_parallel_size = data_parallel_size
+        # This rank's replica group: its size, and this rank's place in it.
+        self.group_size = max(1, world_size // max(1, data_parallel_size))
+        self.group_rank = rank % self.group_size
         # ``is None``, not ``or``: StopFlags has __len__, so an empty (shared) one is falsy.
         self.stop_flags = stop_flags if stop_flags is not None else StopFlags()
         self.progress: StepProgress = progress if progress is not None else {}
@@ -139,12 +150,12 @@ class Worker:
         self.set_torch_threads(self.config.resolved_torch_threads)
         device, own = rank_device(self.config.device, self.rank, self.world_size)
         self.device = device
-        if self.world_size == 1 or not self.config.cfg_parallel or self.cfg is not None:
+        if self.group_size == 1 or not self.config.cfg_parallel or self.cfg is not None:
             return
-        if self.world_size != 2:
+        if self.group_size != 2:
             raise InvalidConfigError(
                 f"cfg_parallel splits guidance between exactly 2 workers, not "
-                f"{self.world_size}; use num_workers=2 or cfg_parallel=False",
+                f"{self.group_size}; use num_workers=2 or cfg_parallel=False",
                 field="cfg_parallel",
             )
         if self.dist_init_method is None:
@@ -157,8 +168,8 @@ class Worker:
 
         timeout = self.config.worker_stall_timeout_s
         self.cfg = init_cfg_group(
-            self.rank,
-            self.world_size,
+            self.group_rank,
+            self.group_size,
             self.dist_init_method,
             timeout_s=timeout if timeout is not None else 1800.0,
             device=device,
@@ -188,7 +199,7 @@ class Worker:
             self.stop_flags,
             self.progress,
             cfg=self.cfg,
-            world_size=self.world_size,
+            world_size=self.group_size,
             faults=self.faults,
         )
         self.model_info = runner.load_model()
@@ -225,7 +236,8 @@ class Worker:
 
     @property
     def is_output_rank(self) -> bool:
-        return self.rank == 0
+        """The first rank of its replica group: it packs and ships the group's results."""
+        return self.group_rank == 0
 
     def start_output_packer(self, reply: Callable[[AsyncOutput], None]) -> None:
         """Turn on async output: packing leaves the forward path (output rank only).
@@ -264,6 +276,8 @@ class Worker:
         runner = self._runner()
         self.stop_flags.forget(scheduler_output.finished_req_ids)
         requests = [r.request for r in scheduler_output.scheduled_new_reqs]
+        if not requests:  # a data-parallel rank told only of finished requests
+            return BatchRunnerOutput()
         try:
             done, forwarded = runner.forward_batch(requests)
         finally:

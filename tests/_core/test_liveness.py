@@ -54,6 +54,22 @@ def test_a_call_that_ends_stops_the_stall_clock() -> None:
     assert t.check(205.5) is not None
 
 
+def test_a_rank_that_answered_leaves_the_call_while_the_others_run_on() -> None:
+    """Data-parallel ranks run shares of different length: a rank that answered (or got no
+    share) must not be judged stalled while another still computes."""
+    t = tracker(beat=None)
+    t.call_started(100.0, ranks=[0, 1])
+    t.call_ended([1])  # rank 1's share was short
+    t.heard(0, 104.0, steps=1)
+    t.heard(0, 108.0, steps=2)
+    assert t.check(109.5) is None and t.busy
+    t.call_started(110.0, ranks=[0])  # a call for rank 0 alone: rank 1 stays idle
+    t.heard(0, 114.0, steps=3)
+    assert t.check(118.0) is None
+    assert t.check(119.5) is not None  # rank 0 itself does stall
+    t.call_ended([0, 5])  # an unknown rank is ignored
+
+
 def test_a_dead_packer_fails_the_group_at_the_next_check() -> None:
     t = tracker()
     t.heard(0, 101.0, packer_alive=False)

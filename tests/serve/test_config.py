@@ -269,6 +269,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         "--backend", "ray",
         "--ray-address", "10.0.0.5:6379",
         "--workers", "2",
+        "--data-parallel", "2",
         "--replicas", "3",
         "--max-num-seqs", "2",
         "--threads", "1",
@@ -306,6 +307,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         backend="ray",
         ray_address="10.0.0.5:6379",
         num_workers=2,
+        data_parallel_size=2,
         max_num_seqs=2,
         torch_threads=1,
         device="cpu",
@@ -325,6 +327,21 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
     assert config.max_connection_buffer_bytes == 65536
     assert config.max_response_bytes_in_flight == 5000
     assert (config.log_format, config.log_level) == ("json", "debug")
+
+
+def test_data_parallel_alone_implies_its_workers_and_tractor(tmp_path: Path) -> None:
+    config = ServeConfig.from_args(
+        parse("--model", "builtin:echo", "--data-parallel", "3"), environ={}
+    )
+    assert (config.engine.num_workers, config.engine.backend) == (3, "tractor")
+    path = write(tmp_path, '[engine]\nmodel = "builtin:echo"\ndata_parallel_size = 2\n')
+    from_file = ServeConfig.from_args(parse("--config", str(path)), environ={})
+    assert (from_file.engine.data_parallel_size, from_file.engine.num_workers) == (2, 2)
+    with pytest.raises(InvalidConfigError, match="num_workers must be 2"):
+        ServeConfig.from_args(
+            parse("--model", "builtin:echo", "--data-parallel", "2", "--workers", "3"),
+            environ={},
+        )
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path: Path) -> None:

@@ -517,6 +517,37 @@ def test_ray_replicas_join_the_given_cluster_and_serve(
     assert not left, left
 
 
+@pytest.mark.slow
+def test_data_parallel_workers_serve_concurrent_requests(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """``--data-parallel 2``: two worker processes under the daemon, four clients at once,
+    each answered with its own picture (matched by id, never by position); SIGTERM drains
+    and no worker is left."""
+    from PIL import Image
+
+    from omni_trio.models import decode_echo_image
+
+    daemon = start_daemon(
+        "--data-parallel", "2", "--threads", "1", "--model-option", f"step_delay_s={STEP_S}"
+    )  # fmt: skip
+    daemon.wait_listening()
+    daemon.wait_ready()
+    workers = descendant_pids(daemon.proc.pid)
+    assert len(workers) >= 2, workers
+    background = [generate_in_background(daemon, 6) for _ in range(4)]
+    responses = [result_of(thread, result) for thread, result in background]
+    assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+    for response in responses:
+        body = response.json()
+        png = base64.b64decode(body["data"][0]["b64_json"])
+        assert decode_echo_image(Image.open(io.BytesIO(png))) == (body["id"], body["seed"], 0)
+    assert len({r.json()["id"] for r in responses}) == 4
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == EXIT_OK, daemon.stderr
+    assert not [pid for pid in workers if _alive(pid)]
+
+
 def test_port_in_use_exits_1(start_daemon: Callable[..., Daemon]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

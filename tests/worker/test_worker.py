@@ -106,6 +106,30 @@ def test_without_cfg_parallel_each_rank_is_a_full_replica(cache_dir: Path) -> No
         w.shutdown()
 
 
+def test_each_data_parallel_rank_is_an_output_rank_of_its_own_requests(cache_dir: Path) -> None:
+    """Two data-parallel ranks are two replica groups of one: neither joins a CFG group
+    (cfg_parallel is on here), each ships what it ran, and a share with no requests (only
+    finished ids) runs nothing."""
+    w = Worker(config(cache_dir), rank=1, world_size=2, data_parallel_size=2)
+    try:
+        assert (w.group_size, w.group_rank, w.is_output_rank) == (1, 0, True)
+        w.init_device()  # no rendezvous needed
+        w.load_model()
+        assert w.cfg is None
+        w.stop_flags.abort(["gone"])
+        out = w.execute_scheduler_output(wave(finished=frozenset({"gone"})))
+        assert out.outputs == {} and w.steps_done == 0
+        assert not w.stop_flags.is_aborted("gone")
+        out = w.execute_scheduler_output(wave(request("mine", seed=5)))
+        result = out.get("mine")
+        assert result is not None and result.images is not None
+        assert decode_echo_image(result.images[0]) == ("mine", 5, 0)
+    finally:
+        w.shutdown()
+    pair = Worker(config(cache_dir), rank=3, world_size=4, data_parallel_size=2)
+    assert (pair.group_size, pair.group_rank, pair.is_output_rank) == (2, 1, False)
+
+
 def test_init_device_applies_the_thread_setting(cache_dir: Path) -> None:
     w = Worker(config(cache_dir, torch_threads=1))
     w.init_device()

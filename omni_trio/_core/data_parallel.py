@@ -1,0 +1,116 @@
+"""Which data-parallel rank runs which request: the pure half of data-parallel execution.
+
+With ``EngineConfig.data_parallel_size = N`` one scheduler emits waves (request mode) or
+ticks (step mode) of up to ``N x max_num_seqs`` compatible requests, and the executor gives
+each of its N ranks a different share.  :class:`DataParallelRouter` decides the shares; the
+executor carries them out (one call per rank) and merges the replies **by request id**, never
+by rank order.
+
+Rules:
+
+- **request mode**: a wave's rows are dealt round-robin (row ``i`` to rank ``i % N``), so a
+  wave of up to N requests runs one request per rank and no rank gets more than
+  ``ceil(len / N)`` (at most ``max_num_seqs``, since the scheduler caps the wave at
+  ``N x max_num_seqs``);
+- **step mode**: a request's step state (latents, scheduler) lives in the rank that prepared
+  it, so a request is **pinned** to a rank from its first tick until it is finished: cached
+  rows go to their owner; a new row (a first tick, or a restart from step 0 after its state
+  was dropped) goes to the rank with the fewest rows in this tick, then the fewest pinned
+  requests, then the lowest rank;
+- **finished ids** reach every rank (any of them may hold a flag or state for one): each is
+  queued for every rank and delivered with that rank's next call; a rank with no rows but
+  undelivered finished ids still gets a call (an empty one), so nothing is left behind;
+- a request's owner is forgotten when its id is reported finished.
+
+Pure: no trio, no I/O.  A router belongs to one worker group (a restarted group starts with
+a new, empty one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .messages import NewRequestData, SchedulerOutput
+
+__all__ = ["DataParallelRouter"]
+
+
+class DataParallelRouter:
+    """The shares of ``size`` data-parallel ranks; see the module docstring."""
+
+    def __init__(self, size: int, *, step_mode: bool) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        self.size = size
+        self.step_mode = step_mode
+        # Step mode: the rank holding each live request's step state.
+        self._owners: dict[str, int] = {}
+        # Finished ids not yet delivered, per rank.
+        self._undelivered: dict[int, set[str]] = {rank: set() for rank in range(size)}
+
+    def owner(self, request_id: str) -> int | None:
+        """The rank a step-mode request is pinned to (None: not pinned)."""
+        return self._owners.get(request_id)
+
+    @property
+    def pinned(self) -> Mapping[str, int]:
+        """Every pinned request and its rank (a read-only view)."""
+        return dict(self._owners)
+
+    def undelivered(self, rank: int) -> frozenset[str]:
+        """Finished ids ``rank`` has not been told of yet."""
+        return frozenset(self._undelivered[rank])
+
+    def split(self, output: SchedulerOutput) -> dict[int, SchedulerOutput]:
+        """Each rank's share of ``output``: only ranks with rows or undelivered finished ids
+        appear (ascending).  Every share keeps ``output``'s step id and counts."""
+        finished = output.finished_req_ids
+        for rank_ids in self._undelivered.values():
+            rank_ids.update(finished)
+        for rid in finished:
+            self._owners.pop(rid, None)
+        new_rows: dict[int, list[NewRequestData]] = {r: [] for r in range(self.size)}
+        cached_rows: dict[int, list[str]] = {r: [] for r in range(self.size)}
+        if self.step_mode:
+            for rid in output.scheduled_cached_reqs:
+                cached_rows[self._owners.get(rid, 0)].append(rid)
+            for new in output.scheduled_new_reqs:
+                rank = self._least_loaded(new_rows, cached_rows)
+                self._owners[new.request_id] = rank
+                new_rows[rank].append(new)
+        else:
+            for index, new in enumerate(output.scheduled_new_reqs):
+                new_rows[index % self.size].append(new)
+            for index, rid in enumerate(output.scheduled_cached_reqs):
+                cached_rows[index % self.size].append(rid)
+        shares: dict[int, SchedulerOutput] = {}
+        for rank in range(self.size):
+            news, cached, done = new_rows[rank], cached_rows[rank], self._undelivered[rank]
+            if not news and not cached and not done:
+                continue
+            shares[rank] = SchedulerOutput(
+                step_id=output.step_id,
+                scheduled_new_reqs=tuple(news),
+                scheduled_cached_reqs=tuple(cached),
+                finished_req_ids=frozenset(done),
+                num_running_reqs=output.num_running_reqs,
+                num_waiting_reqs=output.num_waiting_reqs,
+            )
+            self._undelivered[rank] = set()
+        return shares
+
+    def _least_loaded(
+        self, new_rows: Mapping[int, list[NewRequestData]], cached_rows: Mapping[int, list[str]]
+    ) -> int:
+        pinned = [0] * self.size
+        for rank in self._owners.values():
+            pinned[rank] += 1
+        return min(
+            range(self.size),
+            key=lambda r: (len(new_rows[r]) + len(cached_rows[r]), pinned[r], r),
+        )
+
+    def forget(self, request_ids: frozenset[str] | set[str] | tuple[str, ...]) -> None:
+        """Unpin ``request_ids`` now (their state was dropped on every rank)."""
+        for rid in request_ids:
+            self._owners.pop(rid, None)
