@@ -266,10 +266,8 @@ class EngineConfig:
         if not isinstance(self.model_options, Mapping):
             raise InvalidConfigError("model_options must be a mapping", field="model_options")
         _positive_int("data_parallel_size", self.data_parallel_size)
-        implied = self.data_parallel_size > 1 and self.num_workers == 1
-        if implied:
+        if self.data_parallel_size > 1 and self.num_workers == 1:  # implied
             object.__setattr__(self, "num_workers", self.data_parallel_size)
-        object.__setattr__(self, "_workers_implied", implied)
         backend = self.backend
         chosen = backend == AUTO_BACKEND
         if chosen:
@@ -436,9 +434,11 @@ class EngineConfig:
         if (
             "data_parallel_size" in changes
             and "num_workers" not in changes
-            and getattr(self, "_workers_implied", False)
+            and self.data_parallel_size > 1
         ):
-            changes["num_workers"] = 1  # implied again by the new size
+            # With data parallelism num_workers is the size: it follows a new one (even
+            # when it was given, or came back from a dict), as if it had been left unset.
+            changes["num_workers"] = 1
         resized = "num_workers" in changes or "data_parallel_size" in changes
         if resized and "backend" not in changes and self.backend_by_count:
             changes["backend"] = AUTO_BACKEND

@@ -123,6 +123,11 @@ def test_data_parallel_implies_its_workers_and_a_process_backend() -> None:
     back = config.replace(data_parallel_size=1)
     assert (back.num_workers, back.backend) == (1, "inproc")
     assert EngineConfig().replace(data_parallel_size=2).backend == "tractor"
+    # ...through unrelated replaces and a dict round trip too (the fields alone say it).
+    assert config.replace(max_num_seqs=1).replace(data_parallel_size=4).num_workers == 4
+    fields = {f: getattr(config, f) for f in ("data_parallel_size", "num_workers", "backend")}
+    round_trip = EngineConfig.from_dict(fields).replace(data_parallel_size=1)
+    assert (round_trip.num_workers, round_trip.backend) == (1, "tractor")  # a named backend
     with pytest.raises(InvalidConfigError) as info:
         EngineConfig(num_workers=2, cfg_parallel=False).replace(data_parallel_size=3)
     assert info.value.field == "num_workers"

@@ -17,10 +17,14 @@ Rules:
   rows go to their owner; a new row (a first tick, or a restart from step 0 after its state
   was dropped) goes to the rank with the fewest rows in this tick, then the fewest pinned
   requests, then the lowest rank;
-- **finished ids** reach every rank (any of them may hold a flag or state for one): each is
-  queued for every rank and delivered with that rank's next call; a rank with no rows but
-  undelivered finished ids still gets a call (an empty one), so nothing is left behind;
-- a request's owner is forgotten when its id is reported finished.
+- a request is **held** by the rank it was last given to (request mode: until it finishes;
+  step mode: its pin): only that rank can hold a stop flag or step state for it (the executor
+  sends an abort only to the holder, :meth:`DataParallelRouter.holder`);
+- a **finished id** is queued for its holder alone and delivered with that rank's next call;
+  a rank with no rows but undelivered finished ids still gets a call (an empty one), so
+  nothing is left behind; an id never given to a rank goes nowhere.  The holder is forgotten
+  then.  A call that did not run (:meth:`DataParallelRouter.redeliver`) delivers its finished
+  ids again with the next one.
 
 Pure: no trio, no I/O.  A router belongs to one worker group (a restarted group starts with
 a new, empty one).
@@ -43,18 +47,20 @@ class DataParallelRouter:
             raise ValueError(f"size must be a positive integer, got {size!r}")
         self.size = size
         self.step_mode = step_mode
-        # Step mode: the rank holding each live request's step state.
+        # The rank each live request was given to (step mode: its pin).
         self._owners: dict[str, int] = {}
         # Finished ids not yet delivered, per rank.
         self._undelivered: dict[int, set[str]] = {rank: set() for rank in range(size)}
 
-    def owner(self, request_id: str) -> int | None:
-        """The rank a step-mode request is pinned to (None: not pinned)."""
+    def holder(self, request_id: str) -> int | None:
+        """The rank a live request was given to (step mode: pinned to); None if none."""
         return self._owners.get(request_id)
+
+    owner = holder
 
     @property
     def pinned(self) -> Mapping[str, int]:
-        """Every pinned request and its rank (a read-only view)."""
+        """Every held request and its rank (a copy)."""
         return dict(self._owners)
 
     def undelivered(self, rank: int) -> frozenset[str]:
@@ -64,11 +70,10 @@ class DataParallelRouter:
     def split(self, output: SchedulerOutput) -> dict[int, SchedulerOutput]:
         """Each rank's share of ``output``: only ranks with rows or undelivered finished ids
         appear (ascending).  Every share keeps ``output``'s step id and counts."""
-        finished = output.finished_req_ids
-        for rank_ids in self._undelivered.values():
-            rank_ids.update(finished)
-        for rid in finished:
-            self._owners.pop(rid, None)
+        for rid in output.finished_req_ids:
+            holder = self._owners.pop(rid, None)
+            if holder is not None:
+                self._undelivered[holder].add(rid)
         new_rows: dict[int, list[NewRequestData]] = {r: [] for r in range(self.size)}
         cached_rows: dict[int, list[str]] = {r: [] for r in range(self.size)}
         if self.step_mode:
@@ -81,8 +86,10 @@ class DataParallelRouter:
         else:
             for index, new in enumerate(output.scheduled_new_reqs):
                 new_rows[index % self.size].append(new)
+                self._owners[new.request_id] = index % self.size
             for index, rid in enumerate(output.scheduled_cached_reqs):
                 cached_rows[index % self.size].append(rid)
+                self._owners[rid] = index % self.size
         shares: dict[int, SchedulerOutput] = {}
         for rank in range(self.size):
             news, cached, done = new_rows[rank], cached_rows[rank], self._undelivered[rank]
@@ -109,6 +116,12 @@ class DataParallelRouter:
             range(self.size),
             key=lambda r: (len(new_rows[r]) + len(cached_rows[r]), pinned[r], r),
         )
+
+    def redeliver(self, shares: Mapping[int, SchedulerOutput]) -> None:
+        """``shares`` were not run (the call failed before it ran): their finished ids are
+        delivered again with each rank's next call."""
+        for rank, share in shares.items():
+            self._undelivered[rank].update(share.finished_req_ids)
 
     def forget(self, request_ids: frozenset[str] | set[str] | tuple[str, ...]) -> None:
         """Unpin ``request_ids`` now (their state was dropped on every rank)."""

@@ -26,6 +26,7 @@ EXPERIMENTS = (
     "quality",
     "executors",
     "policy",
+    "dataparallel",
 )
 
 _HELP = {
@@ -39,6 +40,7 @@ _HELP = {
     "quality": "builtin:shapes prompt adherence: colour and shape of seeded generations",
     "executors": "ray vs tractor vs inproc: per-request latency, throughput, startup",
     "policy": "fifo vs priority vs fair under a seeded open-loop mixed trace at 0.7x-2x capacity",
+    "dataparallel": "serve --data-parallel vs replicas, workers and the two-process limit",
 }
 
 

@@ -589,8 +589,10 @@ class GroupExecutor(Executor):
             try:
                 self.transport.send(state.rank, calls[state.rank])
             except Exception as exc:
-                if index:  # some rank has the call: the group no longer agrees
+                if index and per_rank is None:  # some rank has the call: no longer agrees
                     raise
+                if index:  # data parallel: take back the shares already sent
+                    await self._withdraw(rpc_id, states[:index], abort_ids, timeout)
                 for done in states:
                     done.pump.forget_rpc(rpc_id)
                 raise PayloadError(
@@ -623,18 +625,25 @@ class GroupExecutor(Executor):
                 if len(states) == 1:
                     await wait_reply(states[0])
                 else:
-                    async with trio.open_nursery() as waiters:
-                        for state in states:
-                            waiters.start_soon(wait_reply, state)
+                    try:
+                        async with trio.open_nursery() as waiters:
+                            for state in states:
+                                waiters.start_soon(wait_reply, state)
+                    except BaseExceptionGroup as group:
+                        # Several waiters' Cancelled: raise one, as a single wait would
+                        # (callers catch ``trio.Cancelled``, not a group of them).
+                        first = _first_cancelled(group)
+                        if first is None or not _is_cancellation(group):
+                            raise
+                        raise first from None
                 if errors:
                     raise errors[0]
         except trio.TooSlowError:
             error = StallError("rpc", f"{method!r} got no reply within {timeout} s")
             self._fail_group(error)
             raise error from None
-        except BaseException as exc:
-            # Cancelled (bare, or several waiters' Cancelled in one group)
-            if abort_ids and _is_cancellation(exc):
+        except trio.Cancelled:
+            if abort_ids:
                 self.abort_requests(abort_ids)
             raise
         finally:
@@ -648,6 +657,41 @@ class GroupExecutor(Executor):
                 self._fail_group(failure)
             raise failure
         return replies
+
+    async def _withdraw(
+        self,
+        rpc_id: str,
+        sent: Sequence[_Rank],
+        abort_ids: Sequence[str],
+        timeout: float | None,
+    ) -> None:
+        """Data parallel: a later rank's share could not be sent, so the wave is refused
+        as a whole (a :class:`PayloadError`, as when nothing was sent): the ranks that got
+        theirs are told to abort it (they stop before their first step), their replies are
+        awaited (at most ``timeout``, else the group fails) and whatever they announced is
+        released."""
+        if abort_ids:
+            for state in sent:
+                self.transport.send(state.rank, WorkerAbort(tuple(abort_ids)))
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                for state in sent:
+                    reply = await state.pump.wait_rpc(rpc_id, math.inf)
+                    result = reply.result
+                    if reply.kind is AsyncOutputKind.COMPUTE_DONE and isinstance(
+                        result, BatchRunnerOutput
+                    ):
+                        register_async_outputs(state.pump, result)
+                        for output in result:
+                            if output.async_output_id:
+                                state.pump.drop(output.async_output_id)
+        except trio.TooSlowError:
+            error = StallError("rpc", f"a withdrawn share got no reply within {timeout} s")
+            self._fail_group(error)
+            raise error from None
+        except WorkerError:
+            if self._dead_reason is not None:
+                raise
 
     async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         if self._dp is not None:
@@ -679,8 +723,11 @@ class GroupExecutor(Executor):
         self, method: str, scheduler_output: SchedulerOutput, router: DataParallelRouter
     ) -> BatchRunnerOutput:
         """Each rank runs its own share (:class:`DataParallelRouter`); the replies are
-        merged by request id.  A rank missing a request it was given, or answering for one
-        it was not, is a broken worker (the group fails, as for any bad reply)."""
+        merged by request id.  A rank answering for a request it was not given is a broken
+        worker (the group fails, as for any bad reply); a request missing from its rank's
+        reply ends as any missing output does (``MissingOutputError``).  If the call fails
+        before it ran (a payload that cannot be sent, a cancellation), the finished ids the
+        shares carried are delivered again with the next call."""
         shares = router.split(scheduler_output)
         if not shares:
             return BatchRunnerOutput()
@@ -696,6 +743,7 @@ class GroupExecutor(Executor):
                 per_rank={rank: (share,) for rank, share in shares.items()},
             )
         except (trio.Cancelled, EngineClosedError, PayloadError):
+            router.redeliver(shares)
             raise
         except Exception as exc:  # (several waiters' Cancelled are a BaseExceptionGroup)
             self._fail_group(exc)
@@ -756,9 +804,17 @@ class GroupExecutor(Executor):
         return output
 
     def claim_output(self, async_output_id: str, callback: OutputCallback) -> None:
-        pump = self._pump_of(async_output_id)
-        self._output_ranks.pop(async_output_id, None)  # the pump holds the claim now
-        pump.claim(async_output_id, callback)
+        if async_output_id not in self._output_ranks:
+            self._pump_of(async_output_id).claim(async_output_id, callback)
+            return
+
+        def resolved(output: Any, error: BaseException | None) -> None:
+            self._output_ranks.pop(async_output_id, None)  # (a later drop finds nothing)
+            callback(output, error)
+
+        # The entry stays until the claim resolves or is dropped: a drop must reach the
+        # pump that holds the claim.
+        self._pump_of(async_output_id).claim(async_output_id, resolved)
 
     def drop_output(self, async_output_id: str) -> None:
         pump = self._pump_of(async_output_id)
@@ -777,7 +833,7 @@ class GroupExecutor(Executor):
         # so no other rank keeps a stop flag for a request it will never run.
         by_rank: dict[int, list[str]] = {}
         for rid in ids:
-            holder = self._dp_running.get(rid, self._dp.owner(rid))
+            holder = self._dp_running.get(rid, self._dp.holder(rid))
             if holder is not None:
                 by_rank.setdefault(holder, []).append(rid)
         for holder, owned in by_rank.items():
@@ -803,8 +859,12 @@ class GroupExecutor(Executor):
         return held
 
     async def wait_settled(self) -> None:
-        for state in list(self._ranks.values()):
-            await state.pump.wait_settled()
+        states = list(self._ranks.values())
+        while True:  # one pump may get work again while another is awaited
+            for state in states:
+                await state.pump.wait_settled()
+            if all(state.pump.is_settled() for state in states):
+                return
 
     def worker_states(self) -> list[WorkerState]:
         out = []
@@ -838,6 +898,17 @@ class GroupExecutor(Executor):
         """rank -> the host each worker runs on (where the backend knows it)."""
         nodes = {r: s.started.node for r, s in self._ranks.items() if s.started is not None}
         return {r: node for r, node in nodes.items() if node is not None}
+
+
+def _first_cancelled(exc: BaseException) -> trio.Cancelled | None:
+    if isinstance(exc, trio.Cancelled):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for member in exc.exceptions:
+            found = _first_cancelled(member)
+            if found is not None:
+                return found
+    return None
 
 
 def _is_cancellation(exc: BaseException) -> bool:

@@ -30,23 +30,35 @@ def test_a_request_mode_wave_is_dealt_round_robin_one_request_per_rank() -> None
     for share in shares.values():  # step id and counts kept, payloads carried
         assert (share.step_id, share.num_running_reqs, share.num_waiting_reqs) == (1, 7, 3)
     assert [n.request.request_id for n in shares[0].scheduled_new_reqs] == ["a", "c"]
+    # Each is held by the rank it went to until it finishes (its abort goes there alone).
+    assert router.pinned == {"a": 0, "b": 1, "c": 0}
     # A wave smaller than the group leaves the idle rank out of the call.
-    assert rows(router.split(out(2, ("d",)))) == {0: ("d",)}
-    assert router.pinned == {}  # request mode pins nothing
+    assert rows(router.split(out(2, ("d",), done=("a", "c")))) == {0: ("d",)}
+    assert router.holder("a") is None and router.holder("d") == 0
 
 
-def test_finished_ids_reach_every_rank_once_even_an_idle_one() -> None:
+def test_a_finished_id_goes_to_its_holder_alone_once_even_when_it_is_idle() -> None:
     router = DataParallelRouter(3, step_mode=False)
     router.split(out(1, ("a", "b", "c")))
-    shares = router.split(out(2, ("d",), done=("a", "b", "c")))
-    # Ranks 1 and 2 run nothing but must hear of the finished requests (stop flags, state).
+    shares = router.split(out(2, ("d",), done=("a", "b", "c", "never-sent")))
+    # Ranks 1 and 2 run nothing now but must hear of what they ran; nobody hears of an id
+    # that never reached a rank.
     assert rows(shares) == {0: ("d",), 1: (), 2: ()}
-    assert all(s.finished_req_ids == {"a", "b", "c"} for s in shares.values())
+    assert {r: s.finished_req_ids for r, s in shares.items()} == {0: {"a"}, 1: {"b"}, 2: {"c"}}
     assert all(router.undelivered(rank) == frozenset() for rank in range(3))
-    assert router.split(out(3, ("e",))) == {
-        0: out(3, ("e",))
-    }  # told once: nothing more for the idle ranks
+    # Told once: the next call carries nothing more.
+    assert router.split(out(3, ("e",))) == {0: out(3, ("e",))}
     assert router.split(out(4)) == {}  # nothing to run, nothing to tell
+
+
+def test_a_call_that_did_not_run_delivers_its_finished_ids_again() -> None:
+    router = DataParallelRouter(2, step_mode=False)
+    router.split(out(1, ("a", "b")))
+    failed = router.split(out(2, ("c",), done=("a", "b")))
+    assert {r: s.finished_req_ids for r, s in failed.items()} == {0: {"a"}, 1: {"b"}}
+    router.redeliver(failed)  # e.g. a payload that could not be sent
+    again = router.split(out(3, ("d",)))
+    assert {r: s.finished_req_ids for r, s in again.items()} == {0: {"a"}, 1: {"b"}}
 
 
 def test_step_mode_pins_each_request_to_the_rank_holding_its_state() -> None:
@@ -56,11 +68,11 @@ def test_step_mode_pins_each_request_to_the_rank_holding_its_state() -> None:
     # Cached rows go to their owner whatever their order; a new one to the lighter rank.
     assert rows(router.split(out(2, ("c",), cached=("b", "a")))) == {0: ("c", "a"), 1: ("b",)}
     assert router.owner("c") == 0
-    # "a" finishes: its owner is freed (and told); the ranks tie on rows and on pinned
-    # requests, so the next new request goes to the lower rank.
+    # "a" finishes: its owner is freed and told (no other rank is); the ranks tie on rows
+    # and on pinned requests, so the next new request goes to the lower rank.
     shares = router.split(out(3, ("d",), cached=("b", "c"), done=("a",)))
     assert rows(shares) == {0: ("d", "c"), 1: ("b",)}
-    assert shares[0].finished_req_ids == shares[1].finished_req_ids == {"a"}
+    assert (shares[0].finished_req_ids, shares[1].finished_req_ids) == ({"a"}, set())
     assert router.owner("a") is None and router.pinned == {"b": 1, "c": 0, "d": 0}
 
 

@@ -1,0 +1,219 @@
+"""``GroupExecutor`` over a fake transport: real workers (echo) in threads of this process, so
+the executor's own rules can be driven exactly (held replies, a payload one rank refuses)
+without starting processes.  The process backends run the same executor (tests/executors/
+test_data_parallel.py, test_group_conformance.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from omni_trio import AsyncEngine, EngineConfig, SamplingParams, open_engine
+from omni_trio._core.lifecycle import RequestStatus
+from omni_trio._core.messages import AsyncOutput, WorkerAbort, WorkerCall
+from omni_trio.config import EngineConfig as _Config
+from omni_trio.executors.base import open_executor
+from omni_trio.executors.group import (
+    STARTED,
+    Deliver,
+    GroupExecutor,
+    RankInit,
+    RankStarted,
+    RankStatus,
+    Transport,
+)
+from omni_trio.models.echo import ECHO_STEP_DELAY_S, decode_echo_image
+from omni_trio.testing.faults import Fault, FaultSpec, with_faults
+from omni_trio.worker.host import WorkerHost
+from omni_trio.worker.worker import Worker
+
+CAP_S = 30.0
+S = RequestStatus
+UNSENDABLE = "cannot be encoded"
+
+
+class FakeThreadTransport(Transport):
+    """A fake transport: each rank a real :class:`Worker` behind a :class:`WorkerHost` in a
+    thread of this process.  ``hold`` keeps replies back until released; a call whose
+    payload names :data:`UNSENDABLE` raises on send, as a codec would."""
+
+    heartbeats = False
+
+    def __init__(self) -> None:
+        self.hosts: dict[int, WorkerHost] = {}
+        self.inboxes: dict[int, trio.MemorySendChannel[WorkerCall]] = {}
+        self.gone: dict[int, trio.Event] = {}
+        self.hold = trio.Event()
+        self.hold.set()  # replies flow unless a test clears it
+
+    @asynccontextmanager
+    async def open(self, config: _Config, fail: Callable[[BaseException], None]) -> Any:
+        yield
+
+    async def serve_rank(
+        self, init: RankInit, deliver: Deliver, *, task_status: RankStatus = STARTED
+    ) -> None:
+        token = trio.lowlevel.current_trio_token()
+        worker = Worker(
+            _Config.from_dict(init.config),
+            rank=init.rank,
+            world_size=init.world_size,
+            data_parallel_size=init.data_parallel_size,
+        )
+        host = WorkerHost(worker, lambda m: token.run_sync_soon(deliver, m))
+        info = await trio.to_thread.run_sync(host.start)
+        send, receive = trio.open_memory_channel[WorkerCall](math.inf)
+        self.hosts[init.rank], self.inboxes[init.rank] = host, send
+        self.gone[init.rank] = trio.Event()
+        task_status.started(RankStarted(pid=None, model_info=info.to_dict()))
+        try:
+            async with receive:
+                async for call in receive:
+                    reply: AsyncOutput = await trio.to_thread.run_sync(host.call, call)
+                    await self.hold.wait()
+                    deliver(reply)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(host.shutdown)
+            self.gone[init.rank].set()
+
+    def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
+        if isinstance(message, WorkerAbort):
+            self.hosts[rank].abort(message)
+            return
+        if UNSENDABLE in repr(message.args):
+            raise TypeError("a payload this codec cannot carry")
+        self.inboxes[rank].send_nowait(message)
+
+    def kill(self, rank: int) -> None:
+        self.inboxes[rank].close()
+
+    async def wait_exited(self, rank: int) -> int | None:
+        await self.gone[rank].wait()
+        return 0
+
+    async def stop(self, ranks: Sequence[int]) -> None:
+        for rank in ranks:
+            self.inboxes[rank].close()
+
+
+class FakeThreadExecutor(GroupExecutor):
+    """A fake process backend: :class:`FakeThreadTransport`."""
+
+    def make_transport(self) -> Transport:
+        return FakeThreadTransport()
+
+
+def config(cache_dir: Path, **overrides: Any) -> EngineConfig:
+    settings: dict[str, Any] = {
+        "backend": FakeThreadExecutor,
+        "data_parallel_size": 2,
+        "cache_dir": str(cache_dir),
+        "torch_threads": 1,
+        "warmup": False,
+        "fault_injection": True,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def params(steps: int = 2, *, seed: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(num_inference_steps=steps, seed=seed, height=32, width=32, **kw)
+
+
+@asynccontextmanager
+async def engine_on(cache_dir: Path, **overrides: Any) -> AsyncIterator[AsyncEngine]:
+    async with open_engine(config(cache_dir, **overrides)) as engine:
+        yield engine
+
+
+async def assert_nothing_left(engine: AsyncEngine) -> None:
+    await engine.wait_idle()
+    with trio.fail_after(5):
+        await engine.executor.wait_settled()
+    held = {**engine.leftovers(), **await engine.worker_leftovers()}
+    assert {kind: ids for kind, ids in held.items() if ids} == {}
+
+
+async def test_a_dropped_output_of_rank_1_reaches_the_pump_that_holds_its_claim(
+    cache_dir: Path,
+) -> None:
+    """A request packed on rank 1 is aborted while the core waits for its output (claimed):
+    the drop must reach rank 1's pump, so no claim is left and the executor settles."""
+    # One fault for both (one wave: one compatibility key); it fires on rank 1 only.
+    delay = FaultSpec(Fault.DELAY_OUTPUT_READY, delay_s=2.0, rank=1)
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir) as engine:
+            first = engine.stream("p", with_faults(params(seed=1), delay), request_id="on-0")
+            second = engine.stream("p", with_faults(params(seed=2), delay), request_id="on-1")
+            async with first:
+                [done] = [o async for o in first]
+            assert decode_echo_image(done.images[0]) == ("on-0", 1, 0)
+            while engine.statistics().packing == 0:  # noqa: ASYNC110 - another thread packs
+                await trio.sleep(0.005)
+            engine.abort("on-1")
+            async with second:
+                [last] = [o async for o in second]
+            assert last.status is S.FINISHED_ABORTED
+            # At once, long before rank 1's output comes: its claim was withdrawn there
+            # (dropped on rank 0's pump, it would wait for the output and be handed it).
+            claims = engine.executor.leftovers().get("pump_claims", set())
+            assert "on-1" not in claims
+            await assert_nothing_left(engine)
+
+
+async def test_cancelling_a_call_to_several_ranks_raises_one_cancelled(cache_dir: Path) -> None:
+    """Replies of both ranks held back, the caller cancelled: it sees trio's Cancelled (one
+    exception, as with one rank), not a group of them, and the group still serves."""
+    two = config(cache_dir, data_parallel_size=1, num_workers=2, cfg_parallel=False)
+    async with open_executor(two) as ex:
+        assert isinstance(ex, FakeThreadExecutor)
+        transport = ex.transport
+        assert isinstance(transport, FakeThreadTransport)
+        transport.hold = trio.Event()
+        with trio.fail_after(CAP_S):
+            with trio.CancelScope() as scope:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(ex.collective_rpc, "ping")
+                        await trio.sleep(0.2)
+                        scope.cancel()
+                except BaseExceptionGroup as group:  # pragma: no cover - the failure
+                    raise AssertionError(f"a group escaped: {group!r}") from None
+            assert scope.cancelled_caught
+            transport.hold.set()
+            replies = await ex.collective_rpc("ping", unique_reply_rank=None)
+            assert [r["rank"] for r in replies] == [0, 1]
+
+
+async def test_a_share_one_rank_cannot_be_sent_refuses_the_wave_and_keeps_the_group(
+    cache_dir: Path,
+) -> None:
+    """The payload for rank 1 cannot be encoded after rank 0's share was sent: rank 0's share
+    is withdrawn and the wave refused as a bad payload, not a broken group; the engine runs
+    its two requests alone, so the bad one fails by itself (InvalidRequestError) and the
+    other gets its image; nothing is left behind and the same group serves on."""
+    slow = params(40, seed=1, extra_args={ECHO_STEP_DELAY_S: 0.01})
+    bad = params(40, seed=2, extra_args={ECHO_STEP_DELAY_S: 0.01})
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir) as engine:
+            a = engine.stream("p", slow, request_id="a")
+            b = engine.stream(UNSENDABLE, bad, request_id="b")
+            finals = {}
+            for rid, stream in (("a", a), ("b", b)):
+                async with stream:
+                    finals[rid] = [o async for o in stream][-1]
+            assert finals["a"].status is S.FINISHED_COMPLETED, finals["a"]
+            assert decode_echo_image(finals["a"].images[0]) == ("a", 1, 0)
+            assert finals["b"].status is S.FINISHED_ERROR, finals["b"]
+            assert finals["b"].error_type == "InvalidRequestError", finals["b"]
+            assert engine.health().restarts == 0 and engine.health().healthy
+            ok = await engine.generate("fine", params(seed=3), request_id="c")
+            assert decode_echo_image(ok.images[0]) == ("c", 3, 0)
+            await assert_nothing_left(engine)
