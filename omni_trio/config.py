@@ -32,8 +32,11 @@ BACKENDS = ("inproc", "tractor", "ray")
 AUTO_BACKEND = "auto"
 # How the tractor backend starts a worker process (see docs/backends.md): "trio" runs a fresh
 # interpreter per worker; "forkserver" forks it from a server that already imported torch,
-# diffusers and the worker code, so a restarted worker is ready in a fraction of a second.
-WORKER_START_METHODS = ("trio", "forkserver")
+# diffusers and the worker code, so a restarted worker is ready in a fraction of a second;
+# "auto" (the daemon's default) is "forkserver" where that is known to be safe (the engine in
+# the main process, no CUDA on the machine) and "trio" elsewhere
+# (:func:`omni_trio.executors.tractor_executor.resolve_start_method`).
+WORKER_START_METHODS = ("trio", "forkserver", "auto")
 # The torch device types a worker can run on; a device is TYPE or TYPE:INDEX.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 _DEVICE_RE = re.compile(r"(?P<type>[a-z_]+)(?::(?P<index>[0-9]+))?")
@@ -248,8 +251,9 @@ class EngineConfig:
     # How long a worker group may take to start (spawn -> every rank ready, model loaded);
     # past it the start failed.  Workers are watched from the moment they are spawned.
     worker_start_timeout_s: float = 600.0
-    # tractor backend: "trio" (a fresh interpreter per worker) or "forkserver" (forked from
-    # a preloaded fork server that lives as long as this process: fast restarts).
+    # tractor backend: "trio" (a fresh interpreter per worker), "forkserver" (forked from
+    # a preloaded fork server that lives as long as this process: fast restarts) or "auto"
+    # (forkserver where safe: in the main process, on a machine without CUDA; else trio).
     worker_start_method: str = "trio"
     # Accept fault-injection requests (``omni_trio.testing.faults``) in extra_args.  Off by
     # default: a production engine never lets a request crash its workers on purpose.

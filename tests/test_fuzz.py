@@ -218,6 +218,11 @@ def test_campaign_flags_make_the_machine_options() -> None:
     assert plan.options.worker_start_method == "forkserver"
     assert machine.engine_config_for(plan.options).worker_start_method == "forkserver"
     assert fuzz._plan_from_args(_parse([])).options.worker_start_method == "trio"
+    dp = fuzz._plan_from_args(_parse(["--backend", "ray", "--data-parallel", "2"])).options
+    assert dp.data_parallel_size == 2
+    dp_config = machine.engine_config_for(dp)
+    assert (dp_config.data_parallel_size, dp_config.num_workers) == (2, 2)
+    assert fuzz._plan_from_args(_parse([])).options.data_parallel_size == 1
 
 
 # -- how a campaign is cut into Hypothesis runs, and the database key --------------------------
@@ -282,6 +287,8 @@ def test_the_database_key_is_stable_across_processes() -> None:
         (["--duration", "nan"], "--duration: expected seconds > 0"),
         (["--examples", "0"], "--examples: expected a positive integer"),
         (["--backend", "mp"], "invalid choice: 'mp'"),
+        (["--data-parallel", "2"], "--data-parallel 2 runs worker processes: use --backend"),
+        (["--data-parallel", "0"], "--data-parallel: expected a positive integer"),
     ],
 )
 def test_bad_flags_are_usage_errors(

@@ -63,7 +63,13 @@ from .group import (
     secrets_hidden,
 )
 
-__all__ = ["FORKSERVER_PRELOAD", "TractorExecutor", "TractorTransport"]
+__all__ = [
+    "FORKSERVER_PRELOAD",
+    "TractorExecutor",
+    "TractorTransport",
+    "cuda_possible",
+    "resolve_start_method",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,32 @@ def _silence_tractor_warnings() -> None:
         if flt not in parts:
             parts.append(flt)
     os.environ["PYTHONWARNINGS"] = ",".join(parts)
+
+
+# Device nodes and driver files whose presence means CUDA may be used on this machine.
+_CUDA_MARKERS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+
+
+def cuda_possible() -> bool:
+    """Whether this machine may run CUDA (an NVIDIA driver or device is present), judged
+    without importing torch."""
+    return any(os.path.exists(path) for path in _CUDA_MARKERS)
+
+
+def resolve_start_method(method: str, device: str | None) -> str:
+    """The start method ``method`` means here: ``"auto"`` is ``"forkserver"`` when the
+    engine runs in the main process (the fork server starts only from there) and its
+    workers cannot touch CUDA (``device`` ``cpu``, or no device named on a machine without
+    an NVIDIA driver: forking a worker next to CUDA is untested), else ``"trio"``.  Any
+    other method is itself."""
+    if method != "auto":
+        return method
+    if multiprocessing.current_process().name != "MainProcess":
+        return "trio"
+    cpu = device is not None and device.split(":", 1)[0] == "cpu"
+    if cpu or (device is None and not cuda_possible()):
+        return "forkserver"
+    return "trio"
 
 
 def _may_handle_sigterm() -> bool:
@@ -314,7 +346,9 @@ class TractorTransport(Transport):
         # Only this group's processes may connect to its ports (junk is dropped).
         guard_tractor_handshake()
         self._world_size = config.num_workers
-        start_method = config.worker_start_method
+        start_method = resolve_start_method(config.worker_start_method, config.device)
+        if config.worker_start_method == "auto":
+            log.info("worker_start_method auto: %s", start_method)
         # What engines that died without cleaning up (SIGKILL, OOM) left in /dev/shm.
         orphans = sweep_orphans()
         if orphans:

@@ -370,7 +370,7 @@ class ServeConfig:
         ``overrides`` (ServeConfig fields; ``engine`` may be a mapping merged key by key into
         the file's ``[engine]`` table).  A missing or malformed file, an unknown key or a bad
         value raises :class:`InvalidConfigError`."""
-        data = _load_toml(Path(path))
+        data = _merge(DAEMON_DEFAULTS, _load_toml(Path(path)))
         data = _merge(data, _env_settings(os.environ if environ is None else environ))
         return _build(_merge(data, overrides), source=str(path))
 
@@ -381,11 +381,11 @@ class ServeConfig:
         """Merge defaults < ``--config`` file < environment < explicit flags (a flag left at
         ``None`` was not given).  Raises :class:`InvalidConfigError`, also when no model is
         named anywhere (the daemon has no default model)."""
-        data: dict[str, Any] = {}
+        data: dict[str, Any] = _merge({"engine": {}}, DAEMON_DEFAULTS)
         source = "command line"
         config_path = getattr(args, "config", None)
         if config_path is not None:
-            data = _load_toml(Path(config_path))
+            data = _merge(data, _load_toml(Path(config_path)))
             source = f"{config_path} and the command line"
         data = _merge(data, _env_settings(os.environ if environ is None else environ))
         data = _merge(data, _flag_settings(args))
@@ -425,6 +425,12 @@ def engine_config_from_toml(
         data["engine"] = {**(defaults or {}), **engine, **(overrides or {})}
     source = f"{path} and the command line" if overrides else str(path)
     return _build(data, source=source).engine
+
+
+# What the daemon sets differently from a library EngineConfig, below everything a file, the
+# environment or a flag says: tractor workers forked from a preloaded fork server where that
+# is safe (a restarted worker serves in a fraction of a second instead of seconds).
+DAEMON_DEFAULTS: Mapping[str, Any] = {"engine": {"worker_start_method": "auto"}}
 
 
 def _build(data: Mapping[str, Any], *, source: str) -> ServeConfig:

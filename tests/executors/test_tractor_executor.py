@@ -841,6 +841,28 @@ def test_worker_start_method_is_validated() -> None:
         assert info.value.field == "worker_start_method"
 
 
+def test_auto_forks_from_a_fork_server_only_where_that_is_safe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing
+
+    from omni_trio.executors import tractor_executor as te
+
+    assert EngineConfig(worker_start_method="auto").worker_start_method == "auto"
+    for method in ("trio", "forkserver"):  # named: as named
+        assert te.resolve_start_method(method, "cuda") == method
+    monkeypatch.setattr(te, "cuda_possible", lambda: False)
+    assert te.resolve_start_method("auto", None) == "forkserver"
+    assert te.resolve_start_method("auto", "cpu") == "forkserver"
+    assert te.resolve_start_method("auto", "cuda:1") == "trio"  # CUDA next to a fork: untested
+    monkeypatch.setattr(te, "cuda_possible", lambda: True)
+    assert te.resolve_start_method("auto", None) == "trio"  # None may pick a GPU
+    assert te.resolve_start_method("auto", "cpu") == "forkserver"  # told: CPU only
+    # The fork server starts only from the main process.
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "Child-1")
+    assert te.resolve_start_method("auto", "cpu") == "trio"
+
+
 # ---------------------------------------------------------------------------------------
 # Several engines in one process.
 # ---------------------------------------------------------------------------------------

@@ -252,7 +252,22 @@ def test_every_flag_has_a_toml_key() -> None:
 
 def test_from_args_defaults() -> None:
     config = ServeConfig.from_args(parse("--model", "builtin:echo"), environ={})
-    assert config == ServeConfig(engine=EngineConfig(model="builtin:echo"))
+    # The daemon's one engine default of its own: fork-server workers where safe.
+    engine = EngineConfig(model="builtin:echo", worker_start_method="auto")
+    assert config == ServeConfig(engine=engine)
+
+
+def test_the_daemon_forks_workers_from_a_fork_server_unless_told_otherwise(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, '[engine]\nmodel = "builtin:echo"\n')
+    assert ServeConfig.from_toml(path, environ={}).engine.worker_start_method == "auto"
+    path = write(tmp_path, '[engine]\nmodel = "builtin:echo"\nworker_start_method = "trio"\n')
+    assert ServeConfig.from_toml(path, environ={}).engine.worker_start_method == "trio"
+    told = ServeConfig.from_args(parse("--config", str(path)), environ={})
+    assert told.engine.worker_start_method == "trio"
+    # A library config keeps trio: its engine may run anywhere (a child process, CUDA).
+    assert EngineConfig().worker_start_method == "trio"
 
 
 def test_from_args_needs_a_model() -> None:
@@ -315,6 +330,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         streaming_output=True,
         step_execution=True,
         warmup=False,
+        worker_start_method="auto",
     )
     assert (config.host, config.port, config.api_key, config.replicas) == ("::1", 0, "k", 3)
     assert config.drain_timeout_s == 2.5

@@ -521,9 +521,10 @@ def test_ray_replicas_join_the_given_cluster_and_serve(
 def test_data_parallel_workers_serve_concurrent_requests(
     start_daemon: Callable[..., Daemon],
 ) -> None:
-    """``--data-parallel 2``: two worker processes under the daemon, four clients at once,
-    each answered with its own picture (matched by id, never by position); SIGTERM drains
-    and no worker is left."""
+    """``--data-parallel 2``: two worker processes under the daemon (forked from a fork
+    server: the daemon's default on a machine without CUDA), four clients at once, each
+    answered with its own picture (matched by id, never by position); SIGTERM drains and no
+    worker is left."""
     from PIL import Image
 
     from omni_trio.models import decode_echo_image
@@ -535,6 +536,12 @@ def test_data_parallel_workers_serve_concurrent_requests(
     daemon.wait_ready()
     workers = descendant_pids(daemon.proc.pid)
     assert len(workers) >= 2, workers
+    # Without CUDA the daemon's "auto" start method forks them from a fork server.
+    from omni_trio.executors.tractor_executor import cuda_possible
+
+    cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in workers]
+    forked = any(b"forkserver" in cmdline for cmdline in cmdlines)
+    assert forked is not cuda_possible(), cmdlines
     background = [generate_in_background(daemon, 6) for _ in range(4)]
     responses = [result_of(thread, result) for thread, result in background]
     assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
@@ -545,6 +552,11 @@ def test_data_parallel_workers_serve_concurrent_requests(
     assert len({r.json()["id"] for r in responses}) == 4
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == EXIT_OK, daemon.stderr
+    # The workers are gone with it; the fork server (the daemon forks its workers from one)
+    # sees its parent gone a moment later.  Polled, bounded: no event reaches this process.
+    deadline = time.monotonic() + 10.0
+    while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not [pid for pid in workers if _alive(pid)]
 
 
