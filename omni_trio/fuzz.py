@@ -136,6 +136,7 @@ _CAMPAIGN_FLAGS = {
     "steps": "--steps",
     "max_num_seqs": "--max-num-seqs",
     "data_parallel": "--data-parallel",
+    "scheduling_policy": "--scheduling-policy",
     "faults": "--faults",
     "no_faults": "--no-faults",
     "no_crash_rule": "--no-crash-rule",
@@ -244,6 +245,14 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="tractor, ray: N data-parallel worker processes, each running different requests (1)",
+    )
+    campaign.add_argument(
+        "--scheduling-policy",
+        choices=("fifo", "priority", "fair"),
+        default=None,
+        help="the engine's scheduling policy (fifo); under priority every request draws a "
+        "priority in -3..3, so later, better ones pass earlier ones (in step mode they may "
+        "preempt running ones; the preemptions counter says how often)",
     )
     faults = campaign.add_mutually_exclusive_group()
     faults.add_argument(
@@ -386,6 +395,8 @@ def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
                 EXIT_USAGE,
             )
         fields["data_parallel_size"] = args.data_parallel
+    if args.scheduling_policy is not None:
+        fields["scheduling_policy"] = args.scheduling_policy
     if args.start_method is not None:
         fields["worker_start_method"] = args.start_method
     if args.no_faults:
@@ -454,7 +465,8 @@ def stats_line(stats: CampaignStats) -> str:
     return (
         f"examples {s.examples}  rules {s.rules} ({s.rate(s.rules):.1f}/s)  "
         f"requests {s.requests} ({s.rate(s.requests):.1f}/s)  faults {s.faults_injected}  "
-        f"crashes {s.crashes}  restarts {s.restarts}  invariant checks {s.invariant_checks}  "
+        f"crashes {s.crashes}  restarts {s.restarts}  preemptions {s.preemptions}  "
+        f"invariant checks {s.invariant_checks}  "
         f"elapsed {s.elapsed_s:.1f} s"
     )
 
@@ -596,7 +608,8 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
         print(
             f"{PROG} fuzz: {options.backend}/{options.mode}, {plan.steps} steps per example, "
             f"max_num_seqs {options.max_num_seqs}, "
-            f"data parallel {options.data_parallel_size}, faults {faults}, "
+            f"data parallel {options.data_parallel_size}, "
+            f"policy {options.scheduling_policy}, faults {faults}, "
             f"crash rule {'on' if options.crash_rule else 'off'}, "
             f"close rule {'on' if options.close_rule else 'off'}, "
             f"seed {plan.seed if plan.seed is not None else 'random'}, "

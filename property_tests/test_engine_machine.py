@@ -66,6 +66,21 @@ def test_tractor_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None
     _check_campaign(stats)
 
 
+@pytest.mark.parametrize(("mode", "policy"), [("step", "priority"), ("request", "fair")])
+def test_inproc_engine_keeps_its_invariants_under_other_policies(
+    mode: str, policy: str, cache_dir: Path
+) -> None:
+    """A real engine under "priority" (random priorities: later, better arrivals pass
+    waiting ones; step-boundary preemption is reached rarely at this pace, and is covered by
+    the core machine) and "fair" (rotation across the step-count classes), with every fault
+    and rule of the default campaign."""
+    options = MachineOptions(
+        backend="inproc", mode=mode, cache_dir=str(cache_dir), scheduling_policy=policy
+    )
+    stats = run_engine_machine(options, engine_settings("inproc"))
+    _check_campaign(stats)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_data_parallel_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None:

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 DOC = Path(__file__).resolve().parent.parent / "docs" / "fuzzing.md"
 _SUMMARY = re.compile(
     r"^summary  examples (\d+)  rules (\d+) \([\d.]+/s\)  requests (\d+) \([\d.]+/s\)  "
-    r"faults (\d+)  crashes (\d+)  restarts (\d+)  invariant checks (\d+)  elapsed [\d.]+ s$",
+    r"faults (\d+)  crashes (\d+)  restarts (\d+)  preemptions (\d+)  invariant checks (\d+)  "
+    r"elapsed [\d.]+ s$",
     re.MULTILINE,
 )
 # A small, fast machine for the failure path: no faults, no crashes, no reopen.
@@ -53,7 +54,16 @@ def _fuzz(*args: str, out: Path, cache_dir: Path) -> list[str]:
 def _summary(text: str) -> dict[str, int]:
     match = _SUMMARY.search(text)
     assert match is not None, text
-    names = ("examples", "rules", "requests", "faults", "crashes", "restarts", "checks")
+    names = (
+        "examples",
+        "rules",
+        "requests",
+        "faults",
+        "crashes",
+        "restarts",
+        "preemptions",
+        "checks",
+    )
     return dict(zip(names, map(int, match.groups()), strict=True))
 
 
@@ -223,6 +233,10 @@ def test_campaign_flags_make_the_machine_options() -> None:
     dp_config = machine.engine_config_for(dp)
     assert (dp_config.data_parallel_size, dp_config.num_workers) == (2, 2)
     assert fuzz._plan_from_args(_parse([])).options.data_parallel_size == 1
+    ranked = fuzz._plan_from_args(_parse(["--scheduling-policy", "priority"])).options
+    assert ranked.scheduling_policy == "priority"
+    assert machine.engine_config_for(ranked).scheduling_policy == "priority"
+    assert fuzz._plan_from_args(_parse([])).options.scheduling_policy == "fifo"
 
 
 # -- how a campaign is cut into Hypothesis runs, and the database key --------------------------
@@ -289,6 +303,7 @@ def test_the_database_key_is_stable_across_processes() -> None:
         (["--backend", "mp"], "invalid choice: 'mp'"),
         (["--data-parallel", "2"], "--data-parallel 2 runs worker processes: use --backend"),
         (["--data-parallel", "0"], "--data-parallel: expected a positive integer"),
+        (["--scheduling-policy", "lifo"], "invalid choice: 'lifo'"),
     ],
 )
 def test_bad_flags_are_usage_errors(

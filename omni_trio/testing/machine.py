@@ -96,6 +96,9 @@ class MachineOptions:
     max_num_seqs: int = 2
     # tractor, ray: data-parallel ranks (each runs different requests).
     data_parallel_size: int = 1
+    # The engine's scheduling policy; under "priority" each request draws a priority in
+    # -3..3 (so better arrivals pass waiting ones and, in step mode, may preempt running ones).
+    scheduling_policy: str = "fifo"
     step_delay_s: float = 0.005
     faults: tuple[Fault, ...] = FAILING_FAULTS + BENIGN_FAULTS
     crash_rule: bool = True
@@ -147,6 +150,7 @@ def engine_config_for(options: MachineOptions) -> EngineConfig:
         streaming_output=step,
         max_num_seqs=options.max_num_seqs,
         data_parallel_size=options.data_parallel_size,
+        scheduling_policy=options.scheduling_policy,
         warmup=False,
         fault_injection=True,
         max_worker_restarts=10_000,
@@ -169,6 +173,8 @@ class CampaignStats:
     faults_injected: int = 0
     crashes: int = 0
     restarts: int = 0
+    # Step-boundary preemptions (scheduling_policy "priority"), from each engine's trace.
+    preemptions: int = 0
     invariant_checks: int = 0
     engines: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -207,6 +213,7 @@ def make_engine_machine(
     config = engine_config_for(options)
     fault_kinds = tuple(sorted(options.faults, key=lambda f: f.value))
     fault_strategy = st.sampled_from(fault_kinds) if fault_kinds else st.nothing()
+    prioritised = options.scheduling_policy == "priority"
 
     class EngineMachine(RuleBasedStateMachine):
         requests = Bundle("requests")
@@ -240,6 +247,7 @@ def make_engine_machine(
             events = trace.events
             stats.last_trace = events
             stats.restarts += sum(1 for e in events if e.kind is _K.RESTART)
+            stats.preemptions += sum(1 for e in events if e.kind is _K.PREEMPT)
             stats.invariant_checks += 1
             violations = check_trace(events, closed=True)
             if violations:
@@ -297,11 +305,22 @@ def make_engine_machine(
             fault=st.one_of(st.none(), st.none(), fault_strategy),
             fault_step=st.integers(0, 3),
             delay=st.sampled_from([0.0, 0.02, 0.1]),
+            # Drawn only under "priority" (st.just draws nothing: other campaigns' examples
+            # and reproducers are unchanged).
+            priority=st.integers(-3, 3) if prioritised else st.just(0),
         )
         def submit(
-            self, steps: int, seed: int, fault: Fault | None, fault_step: int, delay: float
+            self,
+            steps: int,
+            seed: int,
+            fault: Fault | None,
+            fault_step: int,
+            delay: float,
+            priority: int,
         ) -> str:
-            params = SamplingParams(num_inference_steps=steps, seed=seed, height=32, width=32)
+            params = SamplingParams(
+                num_inference_steps=steps, seed=seed, height=32, width=32, priority=priority
+            )
             spec: FaultSpec | None = None
             if fault is not None:
                 if fault in _STEP_FAULTS:
