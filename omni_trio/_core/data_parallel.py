@@ -56,8 +56,6 @@ class DataParallelRouter:
         """The rank a live request was given to (step mode: pinned to); None if none."""
         return self._owners.get(request_id)
 
-    owner = holder
-
     @property
     def pinned(self) -> Mapping[str, int]:
         """Every held request and its rank (a copy)."""

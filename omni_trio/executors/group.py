@@ -292,8 +292,6 @@ class GroupExecutor(Executor):
             else None
         )
         self._output_ranks: dict[str, int] = {}
-        # The rank running each request of the call in flight (data parallel).
-        self._dp_running: dict[str, int] = {}
 
     @abc.abstractmethod
     def make_transport(self) -> Transport:
@@ -632,10 +630,10 @@ class GroupExecutor(Executor):
                     except BaseExceptionGroup as group:
                         # Several waiters' Cancelled: raise one, as a single wait would
                         # (callers catch ``trio.Cancelled``, not a group of them).
-                        first = _first_cancelled(group)
-                        if first is None or not _is_cancellation(group):
+                        cancelled = _sole_cancelled(group)
+                        if cancelled is None:
                             raise
-                        raise first from None
+                        raise cancelled from None
                 if errors:
                     raise errors[0]
         except trio.TooSlowError:
@@ -676,7 +674,12 @@ class GroupExecutor(Executor):
         try:
             with trio.fail_after(math.inf if timeout is None else timeout):
                 for state in sent:
-                    reply = await state.pump.wait_rpc(rpc_id, math.inf)
+                    try:
+                        reply = await state.pump.wait_rpc(rpc_id, math.inf)
+                    except WorkerError:
+                        if self._dead_reason is not None:
+                            raise
+                        continue  # that share failed: nothing of it to release
                     result = reply.result
                     if reply.kind is AsyncOutputKind.COMPUTE_DONE and isinstance(
                         result, BatchRunnerOutput
@@ -689,9 +692,6 @@ class GroupExecutor(Executor):
             error = StallError("rpc", f"a withdrawn share got no reply within {timeout} s")
             self._fail_group(error)
             raise error from None
-        except WorkerError:
-            if self._dead_reason is not None:
-                raise
 
     async def _execute(self, method: str, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         if self._dp is not None:
@@ -731,9 +731,6 @@ class GroupExecutor(Executor):
         shares = router.split(scheduler_output)
         if not shares:
             return BatchRunnerOutput()
-        self._dp_running = {
-            rid: rank for rank, share in shares.items() for rid in share.scheduled_request_ids
-        }
         try:
             replies = await self._call(
                 method,
@@ -745,11 +742,9 @@ class GroupExecutor(Executor):
         except (trio.Cancelled, EngineClosedError, PayloadError):
             router.redeliver(shares)
             raise
-        except Exception as exc:  # (several waiters' Cancelled are a BaseExceptionGroup)
+        except Exception as exc:
             self._fail_group(exc)
             raise EngineDeadError(f"worker group failed: {exc}") from exc
-        finally:
-            self._dp_running = {}
         merged: dict[str, RunnerOutput] = {}
         for rank in sorted(replies):
             reply, share = replies[rank], shares[rank]
@@ -829,11 +824,11 @@ class GroupExecutor(Executor):
             for rank in self._ranks:
                 self.transport.send(rank, WorkerAbort(ids))
             return
-        # Data parallel: only the rank running (or holding) a request hears of its abort,
-        # so no other rank keeps a stop flag for a request it will never run.
+        # Data parallel: only the rank holding a request (given it, running it) hears of
+        # its abort, so no other rank keeps a stop flag for a request it will never run.
         by_rank: dict[int, list[str]] = {}
         for rid in ids:
-            holder = self._dp_running.get(rid, self._dp.holder(rid))
+            holder = self._dp.holder(rid)
             if holder is not None:
                 by_rank.setdefault(holder, []).append(rid)
         for holder, owned in by_rank.items():
@@ -900,24 +895,15 @@ class GroupExecutor(Executor):
         return {r: node for r, node in nodes.items() if node is not None}
 
 
-def _first_cancelled(exc: BaseException) -> trio.Cancelled | None:
+def _sole_cancelled(exc: BaseException) -> trio.Cancelled | None:
+    """``exc`` if it is trio's Cancelled, the first one if ``exc`` is a group of nothing
+    but Cancelled (nested groups included), else None."""
     if isinstance(exc, trio.Cancelled):
         return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for member in exc.exceptions:
-            found = _first_cancelled(member)
-            if found is not None:
-                return found
-    return None
-
-
-def _is_cancellation(exc: BaseException) -> bool:
-    """Whether ``exc`` is trio's Cancelled, alone or as every member of a group."""
-    if isinstance(exc, trio.Cancelled):
-        return True
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_is_cancellation(e) for e in exc.exceptions)
-    return False
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    found = [_sole_cancelled(member) for member in exc.exceptions]
+    return found[0] if found and all(f is not None for f in found) else None
 
 
 def _rank_failures(method: str, failed: Sequence[WorkerError]) -> WorkerError:

@@ -67,13 +67,13 @@ def test_step_mode_pins_each_request_to_the_rank_holding_its_state() -> None:
     assert router.pinned == {"a": 0, "b": 1}
     # Cached rows go to their owner whatever their order; a new one to the lighter rank.
     assert rows(router.split(out(2, ("c",), cached=("b", "a")))) == {0: ("c", "a"), 1: ("b",)}
-    assert router.owner("c") == 0
+    assert router.holder("c") == 0
     # "a" finishes: its owner is freed and told (no other rank is); the ranks tie on rows
     # and on pinned requests, so the next new request goes to the lower rank.
     shares = router.split(out(3, ("d",), cached=("b", "c"), done=("a",)))
     assert rows(shares) == {0: ("d", "c"), 1: ("b",)}
     assert (shares[0].finished_req_ids, shares[1].finished_req_ids) == ({"a"}, set())
-    assert router.owner("a") is None and router.pinned == {"b": 1, "c": 0, "d": 0}
+    assert router.holder("a") is None and router.pinned == {"b": 1, "c": 0, "d": 0}
 
 
 def test_a_new_row_goes_to_the_rank_with_fewest_rows_then_fewest_pinned() -> None:
@@ -97,7 +97,7 @@ def test_a_request_restarted_from_step_0_is_placed_anew_and_its_old_rank_told() 
     assert router.pinned == {"a": 0, "b": 1, "c": 0}
     # b is preempted this tick; a restarts: rank 0 already runs c, so a goes to rank 1.
     shares = router.split(out(3, ("a",), cached=("c",), done=("a",)))
-    assert router.owner("a") == 1
+    assert router.holder("a") == 1
     assert shares[0].finished_req_ids == {"a"}  # rank 0 drops its old state
     assert rows(shares) == {0: ("c",), 1: ("a",)}
 
