@@ -261,6 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
         "-n", "--num-outputs", type=positive_int, default=1, help="images for the prompt"
     )
     gen.add_argument(
+        "--image",
+        default=None,
+        metavar="FILE",
+        help="start from this picture (PNG, JPEG or WebP): image-to-image; the output size "
+        "defaults to the picture's (rounded down to multiples of 8)",
+    )
+    gen.add_argument(
+        "--mask",
+        default=None,
+        metavar="FILE",
+        help="repaint only where this mask is white (or fully transparent), same size as "
+        "--image: inpainting",
+    )
+    gen.add_argument(
+        "--strength",
+        type=finite_float,
+        default=None,
+        metavar="S",
+        help="how much of --image to repaint, in (0, 1]: the last S x --steps steps run "
+        "(default 0.8; with --mask 1.0)",
+    )
+    gen.add_argument(
         "-o",
         "--out",
         type=image_path,
@@ -711,11 +733,47 @@ async def _open_engine_showing(
 # -- generate ----------------------------------------------------------------------------------
 
 
-def _generate_params(args: argparse.Namespace) -> SamplingParams:
+def _read_picture(path: str, what: str, max_pixels: int) -> Any:
+    """The picture (``what``: ``--image`` or ``--mask``) in file ``path``, decoded as the
+    edits endpoint decodes uploads; a file that cannot be read or is no image is a usage
+    error (exit 2)."""
+    from .serve.uploads import UploadError, decode_upload
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {what} {path!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+    try:
+        return decode_upload(data, param=what, max_pixels=max_pixels)
+    except UploadError as exc:
+        raise CliError(f"{what} {path!r}: {exc.message}", EXIT_USAGE) from None
+
+
+def _generate_pictures(args: argparse.Namespace, max_pixels: int) -> dict[str, Any]:
+    """``image``/``mask_image``/``strength`` from ``--image``, ``--mask``, ``--strength``."""
+    from .serve.uploads import UploadError, as_mask, as_rgb
+
+    if args.image is None:
+        for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
+            if value is not None:
+                raise CliError(f"{flag} needs --image (the picture to start from)", EXIT_USAGE)
+        return {}
+    picture = as_rgb(_read_picture(args.image, "--image", max_pixels))
+    mask = None
+    if args.mask is not None:
+        try:
+            mask = as_mask(_read_picture(args.mask, "--mask", max_pixels), size=picture.size)
+        except UploadError as exc:
+            raise CliError(f"--mask {args.mask!r}: {exc.message}", EXIT_USAGE) from None
+    return {"image": picture, "mask_image": mask, "strength": args.strength}
+
+
+def _generate_params(args: argparse.Namespace, max_pixels: int = 4096 * 4096) -> SamplingParams:
     from ._core.request import SamplingParams
 
     width, height = args.size if args.size is not None else (None, None)
     return SamplingParams(
+        **_generate_pictures(args, max_pixels),
         height=height,
         width=width,
         num_inference_steps=args.steps,
@@ -745,7 +803,7 @@ def _generate_main(args: argparse.Namespace) -> int:
         defaults={"model": DEFAULT_MODEL, "max_num_seqs": 1, "warmup": False},
         flags={} if args.warmup is None else {"warmup": args.warmup},
     )
-    params = _generate_params(args)
+    params = _generate_params(args, config.request_limits.max_pixels)
     # Reject bad input before loading a model: the engine would raise the same error later.
     validate_request(DiffusionRequest(args.prompt, params, "cli"), config.request_limits)
     out = Path(args.out)

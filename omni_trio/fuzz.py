@@ -137,6 +137,7 @@ _CAMPAIGN_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
     "data_parallel": "--data-parallel",
     "scheduling_policy": "--scheduling-policy",
+    "pictures": "--pictures",
     "faults": "--faults",
     "no_faults": "--no-faults",
     "no_crash_rule": "--no-crash-rule",
@@ -253,6 +254,13 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the engine's scheduling policy (fifo); under priority every request draws a "
         "priority in -3..3, so later, better ones pass earlier ones (in step mode they may "
         "preempt running ones; the preemptions counter says how often)",
+    )
+    campaign.add_argument(
+        "--pictures",
+        action="store_true",
+        default=None,
+        help="requests may start from a picture (image-to-image, inpainting; some over the "
+        "shared-memory threshold), so every rule also runs with pictures on the wire",
     )
     faults = campaign.add_mutually_exclusive_group()
     faults.add_argument(
@@ -397,6 +405,8 @@ def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
         fields["data_parallel_size"] = args.data_parallel
     if args.scheduling_policy is not None:
         fields["scheduling_policy"] = args.scheduling_policy
+    if args.pictures:
+        fields["pictures"] = True
     if args.start_method is not None:
         fields["worker_start_method"] = args.start_method
     if args.no_faults:
@@ -466,7 +476,7 @@ def stats_line(stats: CampaignStats) -> str:
         f"examples {s.examples}  rules {s.rules} ({s.rate(s.rules):.1f}/s)  "
         f"requests {s.requests} ({s.rate(s.requests):.1f}/s)  faults {s.faults_injected}  "
         f"crashes {s.crashes}  restarts {s.restarts}  preemptions {s.preemptions}  "
-        f"invariant checks {s.invariant_checks}  "
+        f"pictures {s.pictures}  invariant checks {s.invariant_checks}  "
         f"elapsed {s.elapsed_s:.1f} s"
     )
 
@@ -610,6 +620,7 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
             f"max_num_seqs {options.max_num_seqs}, "
             f"data parallel {options.data_parallel_size}, "
             f"policy {options.scheduling_policy}, faults {faults}, "
+            f"pictures {'on' if options.pictures else 'off'}, "
             f"crash rule {'on' if options.crash_rule else 'off'}, "
             f"close rule {'on' if options.close_rule else 'off'}, "
             f"seed {plan.seed if plan.seed is not None else 'random'}, "

@@ -45,9 +45,11 @@ def engine_settings(backend: str) -> settings:
 
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_inproc_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None:
-    options = MachineOptions(backend="inproc", mode=mode, cache_dir=str(cache_dir))
+    options = MachineOptions(backend="inproc", mode=mode, cache_dir=str(cache_dir), pictures=True)
     stats = run_engine_machine(options, engine_settings("inproc"))
     _check_campaign(stats)
+    # Three of four submissions start from a picture: over a campaign some always do.
+    assert stats.pictures >= 1, stats
 
 
 @pytest.mark.slow
@@ -61,6 +63,7 @@ def test_tractor_engine_keeps_its_invariants(mode: str, cache_dir: Path) -> None
         mode=mode,
         cache_dir=str(cache_dir),
         worker_start_method="forkserver",
+        pictures=True,  # some over the shared-memory threshold: segments must not leak
     )
     stats = run_engine_machine(options, engine_settings("tractor"))
     _check_campaign(stats)
@@ -98,7 +101,9 @@ def test_data_parallel_engine_keeps_its_invariants(mode: str, cache_dir: Path) -
 
 
 def test_machine_options_round_trip() -> None:
-    options = MachineOptions(backend="tractor", mode="step", max_num_seqs=3, data_parallel_size=2)
+    options = MachineOptions(
+        backend="tractor", mode="step", max_num_seqs=3, data_parallel_size=2, pictures=True
+    )
     assert MachineOptions.from_dict(options.to_dict()) == options
     assert dataclasses.asdict(options)["faults"]
 

@@ -255,6 +255,61 @@ def test_generate_bad_input_is_one_line_and_exit_2(
     assert not (tmp_path / "o.png").exists()
 
 
+def test_generate_from_a_picture_and_a_mask(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """builtin:shapes inpaints the masked square of a 40x48 picture; the rest comes back (its
+    VAE is the identity) and the size is the picture's."""
+    import numpy as np
+
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "in.png")
+    mask = np.zeros((48, 40), np.uint8)
+    mask[8:32, 8:32] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    out = tmp_path / "edit.png"
+    argv = ["generate", "a blue circle", "--image", str(tmp_path / "in.png"), "--mask",
+            str(tmp_path / "mask.png"), "--strength", "0.9", "--steps", "6", "--seed", "2",
+            "--threads", "1", "--cache-dir", str(cache_dir), "-o", str(out), "-q"]  # fmt: skip
+    assert main(argv) == EXIT_OK
+    assert "wrote " in capsys.readouterr().out
+    image = Image.open(out)
+    image.load()
+    result = np.asarray(image).astype(int)
+    keep = mask == 0
+    assert image.size == (40, 48)
+    assert np.abs(result[keep] - pixels[keep]).max() <= 1
+    assert np.abs(result[~keep] - pixels[~keep]).mean() > 20
+    text = image.text  # type: ignore[attr-defined]
+    assert (text["strength"], text["conditioning"], text["steps"]) == ("0.9", "inpaint", "6")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mask", "m.png"], "--mask needs --image"),
+        (["--strength", "0.5"], "--strength needs --image"),
+        (["--image", "missing.png"], "cannot read --image"),
+        (["--image", "notes.txt"], "--image"),
+        (["--image", "in.png", "--mask", "small.png"], "--mask"),
+        (["--image", "in.png", "--strength", "1.5"], "strength must be a number in (0, 1]"),
+    ],
+)
+def test_generate_bad_pictures_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    Image.new("RGB", (32, 32)).save(tmp_path / "in.png")
+    Image.new("L", (16, 16), 255).save(tmp_path / "small.png")
+    (tmp_path / "notes.txt").write_text("not a picture")
+    argv = ["generate", "x", "--cache-dir", str(tmp_path / "none"), "-o", str(tmp_path / "o.png")]
+    argv += [str(tmp_path / a) if a.endswith((".png", ".txt")) else a for a in extra]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o.png").exists()
+
+
 def test_generate_unparseable_size_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "x", "--size", "big"]) == EXIT_USAGE
     assert "WIDTHxHEIGHT" in capsys.readouterr().err

@@ -120,6 +120,9 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "the list of experiments; each runs for minutes (tests/bench/test_experiments.py runs "
         "every one with --quick)"
     ),
+    ("docs/benchmarks.md", "omni-trio bench quality --img2img"): NotRun(
+        "a full measurement (about 4 minutes); tests/bench/test_quality.py runs it small"
+    ),
     ("docs/benchmarks.md", "omni-trio bench executors"): NotRun(
         "a full measurement (minutes, a local Ray); tests/bench/test_executors.py runs the "
         "experiment small"
@@ -157,6 +160,10 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "daemons that run until stopped, on the reader's files (/etc/omni-trio/serve.toml, "
         "/models/sd15); the README's serve example runs the daemon and waits for /ready"
     ),
+    ("docs/operations.md", "-F image=@red-circle.png"): NotRun(
+        "needs a running daemon and the reader's pictures; tests/serve/test_edits.py sends the "
+        "same multipart request (httpx and the openai SDK) to a real server"
+    ),
     ("docs/operations.md", "until curl -sf"): NotRun(
         "the README's serve example: the same start, wait for /ready and SIGTERM, run there"
     ),
@@ -171,6 +178,11 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
     ("docs/user-guide.md", 'out.images[0].save("fox.png")'): _PY,
     ("docs/user-guide.md", 'with Engine(model="builtin:tiny-sd")'): _PY,
     ("docs/user-guide.md", 'engine.stream("a cat", params)'): _PY,
+    ("docs/user-guide.md", "mask.paste(255, (0, 0, source.width // 2"): _PY,
+    ("docs/user-guide.md", "--image red-circle.png"): NotRun(
+        "needs the reader's red-circle.png; tests/test_cli.py::"
+        "test_generate_from_a_picture_and_a_mask runs the same flags on a picture it writes"
+    ),
     ("docs/user-guide.md", 'omni-trio generate "a prompt" ['): NotRun(
         "a synopsis (brackets mark optional flags); tests/test_docs.py checks that each flag "
         "it names exists"

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 DOC = Path(__file__).resolve().parent.parent / "docs" / "fuzzing.md"
 _SUMMARY = re.compile(
     r"^summary  examples (\d+)  rules (\d+) \([\d.]+/s\)  requests (\d+) \([\d.]+/s\)  "
-    r"faults (\d+)  crashes (\d+)  restarts (\d+)  preemptions (\d+)  invariant checks (\d+)  "
+    r"faults (\d+)  crashes (\d+)  restarts (\d+)  preemptions (\d+)  pictures (\d+)  "
+    r"invariant checks (\d+)  "
     r"elapsed [\d.]+ s$",
     re.MULTILINE,
 )
@@ -62,6 +63,7 @@ def _summary(text: str) -> dict[str, int]:
         "crashes",
         "restarts",
         "preemptions",
+        "pictures",
         "checks",
     )
     return dict(zip(names, map(int, match.groups()), strict=True))
@@ -237,6 +239,8 @@ def test_campaign_flags_make_the_machine_options() -> None:
     assert ranked.scheduling_policy == "priority"
     assert machine.engine_config_for(ranked).scheduling_policy == "priority"
     assert fuzz._plan_from_args(_parse([])).options.scheduling_policy == "fifo"
+    assert fuzz._plan_from_args(_parse(["--pictures"])).options.pictures
+    assert not fuzz._plan_from_args(_parse([])).options.pictures
 
 
 # -- how a campaign is cut into Hypothesis runs, and the database key --------------------------

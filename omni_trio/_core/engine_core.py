@@ -75,7 +75,13 @@ from .messages import (
 )
 from .model_info import ModelInfo
 from .policy import SchedulingPolicy
-from .request import DiffusionRequest, RequestLimits, SamplingParams, validate_request
+from .request import (
+    DiffusionRequest,
+    RequestLimits,
+    SamplingParams,
+    image_size,
+    validate_request,
+)
 from .scheduler import RequestScheduler, Scheduler, StepScheduler
 from .trace import TraceKind, TraceRecorder
 
@@ -473,7 +479,13 @@ class EngineCore:
         info = self.model_info
         if info is not None:
             info.check_extra_args(sp.extra_args)
-            height, width = info.resolve_size(sp.height, sp.width)
+            info.check_conditioning(sp)
+            height, width = sp.height, sp.width
+            if sp.image is not None:  # the picture's own size, rounded down to a multiple of 8
+                image_width, image_height = image_size(sp.image) or (0, 0)
+                height = height if height is not None else image_height // 8 * 8
+                width = width if width is not None else image_width // 8 * 8
+            height, width = info.resolve_size(height, width)
             if height != sp.height:
                 changes["height"] = height
             if width != sp.width:

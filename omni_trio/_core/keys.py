@@ -2,7 +2,9 @@
 
 Two requests may run in one fused forward only if their keys are equal.  The seed is never
 part of a key: every request gets its own generator.  Step mode leaves the step count out, so
-requests at different steps, with different step counts, can share a denoising batch.
+requests at different steps, with different step counts, can share a denoising batch.  The
+conditioning (text, image, inpaint) is part of both keys; pictures are resized to the
+request's size, so requests of one size and conditioning may fuse whatever their pictures.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ def _shape_and_guidance(request: DiffusionRequest) -> tuple[Hashable, ...]:
         sp.negative_prompt is not None,
         sp.num_outputs_per_prompt,
         sp.output_type,
+        sp.conditioning,
         request.condition_key,
     )
 
 
 def request_batch_key(request: DiffusionRequest) -> tuple[Hashable, ...]:
     """Request mode: shape, guidance, negative-prompt presence, output type and count, the
-    model condition key, and the whole schedule (steps, timesteps, sigmas)."""
+    conditioning (text, image, inpaint), the model condition key, and the whole schedule
+    (steps, timesteps, sigmas, and from a picture its strength, which decides where the
+    schedule starts)."""
     sp = request.sampling
     return (
         "request",
@@ -37,6 +42,7 @@ def request_batch_key(request: DiffusionRequest) -> tuple[Hashable, ...]:
         sp.num_inference_steps,
         sp.timesteps,
         sp.sigmas,
+        sp.effective_strength,
     )
 
 

@@ -49,6 +49,9 @@ class ModelInfo:
     ``scheduler``: the name of the noise scheduler it samples with (a diffusers pipeline's
     scheduler class, ``"DDIMScheduler"``), written into each image's recipe; None where the
     model has none to name.
+    ``image_input``: it takes a picture to start from (``SamplingParams.image``, image-to-image)
+    and a mask of what to repaint (``mask_image``, inpainting); without it such requests are
+    refused at admission.
     """
 
     name: str
@@ -66,6 +69,7 @@ class ModelInfo:
     ignored_params: frozenset[str] = frozenset()
     calibrate: bool = False
     scheduler: str | None = None
+    image_input: bool = False
 
     def __post_init__(self) -> None:
         if self.fixed_size is None:
@@ -98,6 +102,16 @@ class ModelInfo:
                 param="size",
             )
         return h, w
+
+    def check_conditioning(self, sampling: SamplingParams) -> None:
+        """Raise :class:`InvalidRequestError` (``param="image"``) for a picture given to a
+        model that cannot start from one."""
+        if sampling.image is not None and not self.image_input:
+            raise InvalidRequestError(
+                f"model {self.name} does not take an image to start from (image-to-image and "
+                "inpainting need a text-to-image diffusers pipeline with step support)",
+                param="image",
+            )
 
     def check_extra_args(self, extra_args: Mapping[str, Any]) -> None:
         """Raise :class:`InvalidRequestError` (``param="extra_args"``) for a key this model

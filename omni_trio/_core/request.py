@@ -17,18 +17,30 @@ from typing import Any, Literal, get_args
 from ..errors import InvalidRequestError
 
 __all__ = [
+    "CONDITIONINGS",
+    "DEFAULT_IMAGE_STRENGTH",
+    "DEFAULT_INPAINT_STRENGTH",
     "MAX_REQUEST_ID_LENGTH",
     "OUTPUT_TYPES",
+    "Conditioning",
     "DiffusionRequest",
     "OutputType",
     "RequestLimits",
     "SamplingParams",
+    "image_size",
     "text_problem",
     "validate_request",
 ]
 
 OutputType = Literal["pil", "np", "pt", "latent"]
 OUTPUT_TYPES: tuple[str, ...] = get_args(OutputType)
+# What a request starts from: noise (text-to-image), a picture (image-to-image), or a picture
+# with a mask of the region to repaint (inpainting).
+Conditioning = Literal["text", "image", "inpaint"]
+CONDITIONINGS: tuple[str, ...] = get_args(Conditioning)
+# diffusers' defaults (StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline).
+DEFAULT_IMAGE_STRENGTH = 0.8
+DEFAULT_INPAINT_STRENGTH = 1.0
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SEED = 2**63 - 1
 
@@ -45,6 +57,14 @@ class SamplingParams:
     policies); ``deadline_s`` (seconds from admission) ends the request ``FINISHED_ABORTED``
     with :class:`~omni_trio.errors.RequestTimeoutError` if it has not finished by then.
     Neither is part of a compatibility key.
+
+    ``image`` (a PIL image, or an ``(H, W)``/``(H, W, C)`` uint8 array with C of 1, 3 or 4)
+    makes the request image-to-image; with ``mask_image`` too (same size; white, or 255, marks
+    what to repaint) it is inpainting.  The picture is resized to the request's size, which
+    defaults to the picture's own (rounded down to a multiple of 8).  ``strength`` (in
+    ``(0, 1]``, default 0.8 for image-to-image and 1.0 for inpainting, as in diffusers) is how
+    much noise is added to it: the request runs ``int(num_inference_steps * strength)`` of
+    its steps.  Images are compared by identity (``==`` on two params ignores them).
     """
 
     height: int | None = None
@@ -60,14 +80,38 @@ class SamplingParams:
     extra_args: Mapping[str, Any] = field(default_factory=dict)
     priority: int = 0
     deadline_s: float | None = None
+    image: Any = field(default=None, compare=False)
+    mask_image: Any = field(default=None, compare=False)
+    strength: float | None = None
+
+    @property
+    def conditioning(self) -> Conditioning:
+        """``"text"`` without an image, ``"image"`` with one, ``"inpaint"`` with a mask too."""
+        if self.image is None:
+            return "text"
+        return "image" if self.mask_image is None else "inpaint"
+
+    @property
+    def effective_strength(self) -> float:
+        """``strength``, or its default for the conditioning (1.0 for text-to-image)."""
+        if self.strength is not None:
+            return float(self.strength)
+        if self.image is None:
+            return 1.0
+        return DEFAULT_IMAGE_STRENGTH if self.mask_image is None else DEFAULT_INPAINT_STRENGTH
 
     @property
     def total_steps(self) -> int:
-        """Denoising steps this request runs: timesteps > sigmas > num_inference_steps."""
+        """Denoising steps this request runs: timesteps > sigmas > num_inference_steps; from
+        a picture, the last ``int(num_inference_steps * strength)`` of them (diffusers'
+        ``get_timesteps``)."""
         if self.timesteps is not None:
             return len(self.timesteps)
         if self.sigmas is not None:
             return len(self.sigmas)
+        if self.image is not None:
+            steps = self.num_inference_steps
+            return min(int(steps * self.effective_strength), steps)
         return self.num_inference_steps
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -101,6 +145,82 @@ class RequestLimits:
     max_outputs: int = 16
     min_priority: int = -10
     max_priority: int = 10
+
+
+def image_size(image: Any) -> tuple[int, int] | None:
+    """``(width, height)`` of a PIL image or an ``(H, W)``/``(H, W, C)`` array (C in 1, 3,
+    4) of uint8, read without importing either library; None for anything else."""
+    size = getattr(image, "size", None)
+    mode = getattr(image, "mode", None)
+    if isinstance(mode, str) and isinstance(size, tuple) and len(size) == 2:
+        width, height = size
+        if isinstance(width, int) and isinstance(height, int):
+            return width, height
+        return None
+    shape = getattr(image, "shape", None)
+    dtype = getattr(image, "dtype", None)
+    if not isinstance(shape, tuple) or str(dtype) != "uint8":
+        return None
+    if len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4)):
+        return int(shape[1]), int(shape[0])
+    return None
+
+
+def _check_images(sp: SamplingParams, limits: RequestLimits) -> None:
+    """The picture, the mask and the strength of an image-conditioned request."""
+    if sp.image is None:
+        if sp.mask_image is not None:
+            raise _fail("mask_image needs an image to repaint", "mask_image")
+        if sp.strength is not None:
+            raise _fail("strength applies only to a request with an image", "strength")
+        return
+    size = image_size(sp.image)
+    if size is None:
+        raise _fail(
+            "image must be a PIL image or an (H, W) / (H, W, C) uint8 array with C in 1, 3, 4, "
+            f"not {type(sp.image).__name__}",
+            "image",
+        )
+    width, height = size
+    if width < 8 or height < 8:
+        raise _fail(f"image is {width}x{height}; both sides must be at least 8", "image")
+    if width * height > limits.max_pixels:
+        raise _fail(
+            f"image is {width}x{height} ({width * height} pixels); "
+            f"at most {limits.max_pixels} allowed",
+            "image",
+        )
+    if sp.mask_image is not None:
+        mask_size = image_size(sp.mask_image)
+        if mask_size is None:
+            raise _fail(
+                "mask_image must be a PIL image or an (H, W) / (H, W, C) uint8 array, "
+                f"not {type(sp.mask_image).__name__}",
+                "mask_image",
+            )
+        if mask_size != size:
+            raise _fail(
+                f"mask_image is {mask_size[0]}x{mask_size[1]} but image is {width}x{height}; "
+                "they must match",
+                "mask_image",
+            )
+    st = sp.strength
+    if st is not None and (
+        isinstance(st, bool)
+        or not isinstance(st, int | float)
+        or not math.isfinite(st)
+        or not 0 < st <= 1
+    ):
+        raise _fail(f"strength must be a number in (0, 1], got {st!r}", "strength")
+    if sp.timesteps is not None or sp.sigmas is not None:
+        name = "timesteps" if sp.timesteps is not None else "sigmas"
+        raise _fail(f"{name} cannot be combined with an image (use num_inference_steps)", name)
+    if sp.total_steps < 1:
+        raise _fail(
+            f"strength {sp.effective_strength} of {sp.num_inference_steps} steps runs no step "
+            "at all: raise strength or num_inference_steps",
+            "strength",
+        )
 
 
 def _fail(message: str, param: str) -> InvalidRequestError:
@@ -253,3 +373,4 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
     if not isinstance(sp.extra_args, Mapping):
         raise _fail("extra_args must be a mapping", "extra_args")
     _check_extra(sp.extra_args)
+    _check_images(sp, limits)

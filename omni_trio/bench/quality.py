@@ -12,12 +12,26 @@ named colours (nearest hue), and the share of its bounding box it fills against 
 Reported: per prompt the share of images with the right colour and the right shape, and the
 totals over all prompts -- *colour adherence* and *shape adherence* -- against the targets
 (colour >= 90 %, shape >= 70 %).  A missed target is a note, not an error.
+
+``--img2img`` measures image-to-image and inpainting instead, through the same engine and
+options.  Each of those renders is a *source* (rendered first, all at once); from each source,
+with seed ``+ 1000`` and another colour ``c2`` and shape ``s2`` of the whole palette (rotated
+by cell and sample, so every pair occurs):
+
+- *recolour*: ``"a <c2> <shape>"`` from the source (``--strength``, 0.6), judged for colour
+  ``c2`` (*colour adherence*, target >= 90 %) and the source's shape (*shape kept*, no target);
+- *inpaint*: ``"a <c2> <s2>"`` with the mask of the source's foreground bounding box dilated
+  by :data:`INPAINT_DILATION_PX` (clipped to the picture; ``--inpaint-strength``, 1.0), judged
+  for ``c2`` (same colour target) and ``s2`` (reported), and for the region outside the mask:
+  its largest absolute deviation from the source as sent (uint8 / 255, over every image;
+  target <= 2/255).  A source without a foreground has no mask: it is skipped and counted.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from .._core.request import SamplingParams
@@ -25,11 +39,31 @@ from ..config import EngineConfig
 from ..runtime.engine import AsyncEngine, open_engine
 from .harness import Progress, Report, run_in_trio
 
-__all__ = ["COLOUR_TARGET", "SHAPE_TARGET", "add_arguments", "prompt_for", "run"]
+__all__ = [
+    "COLOUR_TARGET",
+    "IMAGE_SEED_OFFSET",
+    "INPAINT_DILATION_PX",
+    "INPAINT_STRENGTH",
+    "SHAPE_TARGET",
+    "STRENGTH",
+    "UNMASKED_TARGET",
+    "add_arguments",
+    "inpaint_mask",
+    "other",
+    "prompt_for",
+    "run",
+]
 
 COLOUR_TARGET = 0.90
 SHAPE_TARGET = 0.70
 SEED = 0
+# --img2img: the default strengths, the seed offset of the edits, the mask's margin, and the
+# largest deviation outside the mask that still counts as "unchanged" (2 uint8 levels).
+STRENGTH = 0.6
+INPAINT_STRENGTH = 1.0
+IMAGE_SEED_OFFSET = 1000
+INPAINT_DILATION_PX = 3
+UNMASKED_TARGET = 2 / 255
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +92,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="torch threads per worker (default 1)"
     )
+    parser.add_argument(
+        "--img2img",
+        action="store_true",
+        help="measure recolouring (image-to-image) and inpainting of the renders instead",
+    )
+    parser.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        help=f"--img2img: recolouring strength in (0, 1] (default {STRENGTH})",
+    )
+    parser.add_argument(
+        "--inpaint-strength",
+        type=float,
+        default=None,
+        help=f"--img2img: inpainting strength in (0, 1] (default {INPAINT_STRENGTH})",
+    )
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -83,41 +134,89 @@ def prompt_for(colour: str, shape: str) -> str:
     return f"{article(colour)} {colour} {shape}"
 
 
+def other(name: str, names: Sequence[str], turn: int) -> str:
+    """The ``turn``-th (cyclically) of ``names`` other than ``name``: a deterministic "some
+    other colour/shape" that visits every other one as ``turn`` counts up."""
+    others = [n for n in names if n != name]
+    if not others:
+        raise ValueError(f"no other name than {name!r} in {list(names)}")
+    return others[turn % len(others)]
+
+
+def inpaint_mask(image: Any, dilation: int = INPAINT_DILATION_PX) -> Any:
+    """The repaint mask of ``image`` (``(H, W, 3)`` floats in [0, 1]): its foreground's
+    bounding box grown by ``dilation`` pixels on every side, clipped to the picture, as a
+    boolean ``(H, W)`` array; None where the picture has no foreground."""
+    import numpy as np
+
+    from ..models.shapes import foreground_mask
+
+    fg = foreground_mask(image)
+    rows = np.nonzero(fg.any(axis=1))[0]
+    cols = np.nonzero(fg.any(axis=0))[0]
+    if rows.size == 0:
+        return None
+    h, w = fg.shape
+    mask = np.zeros((h, w), dtype=bool)
+    y0, y1 = max(0, int(rows[0]) - dilation), min(h, int(rows[-1]) + dilation + 1)
+    x0, x1 = max(0, int(cols[0]) - dilation), min(w, int(cols[-1]) + dilation + 1)
+    mask[y0:y1, x0:x1] = True
+    return mask
+
+
+async def _generate_all(
+    engine: AsyncEngine, requests: list[tuple[str, SamplingParams, str]], bar: Progress
+) -> list[Any]:
+    """Run every ``(prompt, params, request_id)``; returns the first image of each, in order.
+
+    All requests are admitted at once, so the engine fuses them into batches."""
+    import trio
+
+    images: list[Any] = [None] * len(requests)
+
+    async def one(index: int, prompt: str, params: SamplingParams, request_id: str) -> None:
+        output = await engine.generate(prompt, params, request_id=request_id)
+        images[index] = output.images[0]
+        bar.advance()
+
+    async with trio.open_nursery() as nursery:
+        for index, (prompt, params, request_id) in enumerate(requests):
+            nursery.start_soon(one, index, prompt, params, request_id)
+    return images
+
+
 async def _render_all(
     engine: AsyncEngine,
     jobs: list[tuple[str, str, int]],
     params: SamplingParams,
     bar: Progress,
 ) -> list[Any]:
-    """Render every ``(colour, shape, seed)`` job; returns the images (HWC arrays) in order.
+    """Render every ``(colour, shape, seed)`` job; returns the images (HWC arrays) in order."""
+    requests = [
+        (prompt_for(c, s), params.replace(seed=seed), f"quality-{c}-{s}-{seed}")
+        for c, s, seed in jobs
+    ]
+    return await _generate_all(engine, requests, bar)
 
-    All requests are admitted at once, so the engine fuses them into batches."""
-    import trio
 
-    images: list[Any] = [None] * len(jobs)
-
-    async def one(index: int, colour: str, shape: str, seed: int) -> None:
-        output = await engine.generate(
-            prompt_for(colour, shape),
-            params.replace(seed=seed),
-            request_id=f"quality-{colour}-{shape}-{seed}",
-        )
-        images[index] = output.images[0]
-        bar.advance()
-
-    async with trio.open_nursery() as nursery:
-        for index, (colour, shape, seed) in enumerate(jobs):
-            nursery.start_soon(one, index, colour, shape, seed)
-    return images
+def _strength(value: float | None, default: float, option: str, steps: int) -> float:
+    strength = default if value is None else value
+    if not 0.0 < strength <= 1.0:
+        raise ValueError(f"{option} must be in (0, 1], got {strength}")
+    if int(steps * strength) < 1:
+        raise ValueError(f"{option} {strength} of {steps} steps runs no step: raise either")
+    return strength
 
 
 async def _main(args: argparse.Namespace, report: Report) -> None:
-    from ..models.shapes import COLOURS, SHAPES, judge
+    from ..models.shapes import COLOURS, SHAPES
 
     samples = args.samples or (1 if args.quick else 10)
     steps = args.steps or (4 if args.quick else 20)
     if samples < 1 or steps < 1 or args.max_num_seqs < 1:
         raise ValueError("--samples, --steps and --max-num-seqs must be >= 1")
+    if not args.img2img and (args.strength is not None or args.inpaint_strength is not None):
+        raise ValueError("--strength and --inpaint-strength need --img2img")
     report.params.update(
         {
             "model": args.model,
@@ -148,9 +247,39 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
     shapes = _subset(args.shapes, tuple(SHAPES), "shape")
     cells = [(colour, shape) for colour in colours for shape in shapes]
     jobs = [(c, s, args.seed + i) for c, s in cells for i in range(samples)]
+    if args.img2img:
+        strength = _strength(args.strength, STRENGTH, "--strength", steps)
+        inpaint_strength = _strength(
+            args.inpaint_strength, INPAINT_STRENGTH, "--inpaint-strength", steps
+        )
+        report.params.update(
+            {
+                "img2img": True,
+                "strength": strength,
+                "inpaint_strength": inpaint_strength,
+                "inpaint_dilation_px": INPAINT_DILATION_PX,
+                "image_seed_offset": IMAGE_SEED_OFFSET,
+            }
+        )
+        async with open_engine(config) as engine:
+            await _measure_img2img(
+                engine, jobs, samples, params, strength, inpaint_strength, args, report
+            )
+        return
     async with open_engine(config) as engine:
         with Progress(len(jobs), "quality", enabled=not args.no_progress) as bar:
             images = await _render_all(engine, jobs, params, bar)
+    _report_text2image(cells, jobs, images, report)
+
+
+def _report_text2image(
+    cells: list[tuple[str, str]],
+    jobs: list[tuple[str, str, int]],
+    images: list[Any],
+    report: Report,
+) -> None:
+    from ..models.shapes import judge
+
     verdicts = [judge(image) for image in images]
     per_cell: dict[tuple[str, str], list[Any]] = {cell: [] for cell in cells}
     for (colour, shape, _), verdict in zip(jobs, verdicts, strict=True):
@@ -209,6 +338,163 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
         report.notes.append("colour adherence is below its target")
     if shape_rate < SHAPE_TARGET:
         report.notes.append("shape adherence is below its target")
+
+
+async def _measure_img2img(
+    engine: AsyncEngine,
+    jobs: list[tuple[str, str, int]],
+    samples: int,
+    params: SamplingParams,
+    strength: float,
+    inpaint_strength: float,
+    args: argparse.Namespace,
+    report: Report,
+) -> None:
+    """``--img2img``: the sources, then every recolouring and inpainting of them at once."""
+    import numpy as np
+    from PIL import Image
+
+    from ..models.shapes import COLOURS, SHAPES, judge
+
+    with Progress(len(jobs), "sources", enabled=not args.no_progress) as bar:
+        sources = await _render_all(engine, jobs, params, bar)
+    recolours: list[tuple[str, str]] = []  # (asked colour, kept shape) per recolour request
+    inpaints: list[tuple[str, str, Any, Any]] = []  # (colour, shape, source/255, mask)
+    requests: list[tuple[str, SamplingParams, str]] = []
+    kinds: list[bool] = []  # per request: inpainting (else recolouring)
+    skipped = 0
+    for index, ((colour, shape, seed), source) in enumerate(zip(jobs, sources, strict=True)):
+        turn = index // samples + index % samples  # cell index + sample
+        c2, s2 = other(colour, tuple(COLOURS), turn), other(shape, tuple(SHAPES), turn)
+        picture = np.clip(np.rint(np.asarray(source) * 255.0), 0, 255).astype(np.uint8)
+        edit = params.replace(seed=seed + IMAGE_SEED_OFFSET, image=picture)
+        tag = f"{colour}-{shape}-{seed}"
+        requests.append(
+            (prompt_for(c2, shape), edit.replace(strength=strength), f"quality-recolour-{tag}")
+        )
+        recolours.append((c2, shape))
+        kinds.append(False)
+        mask = inpaint_mask(source)
+        if mask is None:
+            skipped += 1
+            continue
+        mask_image = Image.fromarray(np.where(mask, 255, 0).astype(np.uint8))  # mode "L"
+        requests.append(
+            (
+                prompt_for(c2, s2),
+                edit.replace(mask_image=mask_image, strength=inpaint_strength),
+                f"quality-inpaint-{tag}",
+            )
+        )
+        inpaints.append((c2, s2, picture.astype(np.float64) / 255.0, mask))
+        kinds.append(True)
+    with Progress(len(requests), "img2img", enabled=not args.no_progress) as bar:
+        outputs = await _generate_all(engine, requests, bar)
+    recolour_out = [out for out, inpaint in zip(outputs, kinds, strict=True) if not inpaint]
+    inpaint_out = [out for out, inpaint in zip(outputs, kinds, strict=True) if inpaint]
+
+    def seen(verdicts: list[Any]) -> str:
+        counts = Counter(f"{v.colour or '-'} {v.shape or '-'}" for v in verdicts)
+        return ", ".join(f"{k} x{n}" for k, n in counts.most_common(2))
+
+    rv = [judge(image) for image in recolour_out]
+    r_colour = sum(v.colour == c for v, (c, _) in zip(rv, recolours, strict=True))
+    # Which recolourings missed, as "source colour -> asked: seen colour".
+    recolour_misses = Counter(
+        f"{source} -> {c}: {v.colour or '-'}"
+        for v, (c, _), (source, _, _) in zip(rv, recolours, jobs, strict=True)
+        if v.colour != c
+    )
+    r_shape = sum(v.shape == s for v, (_, s) in zip(rv, recolours, strict=True))
+    iv = [judge(image) for image in inpaint_out]
+    i_colour = sum(v.colour == c for v, (c, _, _, _) in zip(iv, inpaints, strict=True))
+    i_shape = sum(v.shape == s for v, (_, s, _, _) in zip(iv, inpaints, strict=True))
+    deviations = [
+        float(np.abs(np.asarray(out, dtype=np.float64) - picture)[~mask].max(initial=0.0))
+        for out, (_, _, picture, mask) in zip(inpaint_out, inpaints, strict=True)
+    ]
+    n_r, n_i = len(rv), len(iv)
+    r_colour_rate, r_shape_rate = r_colour / n_r, r_shape / n_r
+    i_colour_rate = i_colour / n_i if n_i else None
+    i_shape_rate = i_shape / n_i if n_i else None
+    max_dev = max(deviations) if deviations else None
+
+    def pct(rate: float | None) -> str:
+        return "-" if rate is None else f"{100.0 * rate:.1f}"
+
+    report.rows.extend(
+        [
+            {
+                "mode": f"recolour (strength {strength:g})",
+                "n": n_r,
+                "colour %": pct(r_colour_rate),
+                "shape %": f"{pct(r_shape_rate)} (kept)",
+                "unmasked max dev": "-",
+                "skipped": 0,
+                "most often seen": seen(rv),
+            },
+            {
+                "mode": f"inpaint (strength {inpaint_strength:g})",
+                "n": n_i,
+                "colour %": pct(i_colour_rate),
+                "shape %": f"{pct(i_shape_rate)} (new)",
+                "unmasked max dev": "-" if max_dev is None else f"{max_dev * 255:.2f}/255",
+                "skipped": skipped,
+                "most often seen": seen(iv),
+            },
+            {
+                "mode": "total",
+                "n": n_r + n_i,
+                "colour %": pct((r_colour + i_colour) / (n_r + n_i)),
+                "shape %": pct((r_shape + i_shape) / (n_r + n_i)),
+                "unmasked max dev": "",
+                "skipped": skipped,
+                "most often seen": "",
+            },
+        ]
+    )
+    recolour_met = r_colour_rate >= COLOUR_TARGET
+    inpaint_met = i_colour_rate is not None and i_colour_rate >= COLOUR_TARGET
+    unmasked_met = max_dev is not None and max_dev <= UNMASKED_TARGET
+    report.results = {
+        "images": n_r + n_i,
+        "sources": len(sources),
+        "inpaint_skipped": skipped,
+        "recolour_colour_misses": dict(recolour_misses.most_common()),
+        "strength": strength,
+        "inpaint_strength": inpaint_strength,
+        "recolour_colour_adherence": r_colour_rate,
+        "recolour_shape_kept": r_shape_rate,
+        "inpaint_colour_adherence": i_colour_rate,
+        "inpaint_shape_adherence": i_shape_rate,
+        "inpaint_unmasked_max_dev": max_dev,
+        "colour_target": COLOUR_TARGET,
+        "unmasked_target": UNMASKED_TARGET,
+        "recolour_colour_target_met": recolour_met,
+        "inpaint_colour_target_met": inpaint_met,
+        "unmasked_target_met": unmasked_met,
+    }
+    target = f"target >= {100 * COLOUR_TARGET:.0f} %"
+    report.notes.append(
+        f"recolour colour adherence {pct(r_colour_rate)} % ({target}): "
+        f"{'met' if recolour_met else 'missed'}; shape kept {pct(r_shape_rate)} %"
+    )
+    if recolour_misses:
+        report.notes.append(
+            "recolour misses (source -> asked: seen): "
+            + ", ".join(f"{k} x{n}" for k, n in recolour_misses.most_common(6))
+        )
+    report.notes.append(
+        f"inpaint colour adherence {pct(i_colour_rate)} % ({target}): "
+        f"{'met' if inpaint_met else 'missed'}; shape adherence {pct(i_shape_rate)} %"
+    )
+    dev_text = "-" if max_dev is None else f"{max_dev * 255:.2f}/255"
+    report.notes.append(
+        f"inpaint unmasked max deviation {dev_text} (target <= 2/255): "
+        f"{'met' if unmasked_met else 'missed'}"
+    )
+    if skipped:
+        report.notes.append(f"{skipped} source(s) without a foreground were not inpainted")
 
 
 def run(args: argparse.Namespace, command: str) -> Report:

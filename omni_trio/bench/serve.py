@@ -599,6 +599,8 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
         max_n=config.max_n,
         max_pixels=config.max_pixels,
         max_steps=config.max_steps,
+        max_upload_bytes=config.max_upload_bytes,
+        max_upload_pixels=config.max_upload_pixels,
     )
     parsed = parse_generation_request(
         plan.body, limits=limits, default_model=config.served_model_name

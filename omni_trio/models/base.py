@@ -69,6 +69,8 @@ class BatchParams:
     num_outputs: int
     timesteps: tuple[float, ...] | None
     sigmas: tuple[float, ...] | None
+    conditioning: str = "text"
+    strength: float = 1.0
 
     @classmethod
     def from_requests(
@@ -83,7 +85,8 @@ class BatchParams:
         Raises :class:`ValueError` (a runner bug, not user input) for an empty batch, a
         generator count that differs from the request count, an unknown ``output_type``, a
         batch of several requests on a model without batching, or two requests that differ in
-        size, schedule, guidance or output count (naming both request ids and the field).
+        size, schedule, guidance, output count, conditioning or strength (naming both request
+        ids and the field).
         Negative prompts may be mixed: a missing one means the empty prompt.
         """
         if not requests:
@@ -111,6 +114,8 @@ class BatchParams:
                 "num_outputs": sp.num_outputs_per_prompt,
                 "timesteps": tuple(sp.timesteps) if sp.timesteps is not None else None,
                 "sigmas": tuple(sp.sigmas) if sp.sigmas is not None else None,
+                "conditioning": sp.conditioning,
+                "strength": sp.effective_strength,
             }
 
         first = values(requests[0])

@@ -22,6 +22,11 @@ step ``k`` (a crash injection for multi-process tests; never use it in-process).
 after ``on_step(k, total)`` (so ``on_step`` has run ``k + 1`` times); a ``k`` past the last
 step never fires.  The failure ends the whole fused forward, as a real crash would.
 
+A request with a picture (``SamplingParams.image``, ``mask_image``) is accepted so that
+lifecycle tests can carry pictures through every backend; the picture is not used (the
+output is what it would be without it, with the request's ``total_steps``, which its
+``strength`` shortens).
+
 Step mode (:class:`EchoStepAdapter`) gives the same outputs; there a failure at step ``k``
 ends only its own request (``step_scheduler`` raises for it alone).
 """
@@ -217,6 +222,8 @@ class EchoModel(DiffusionModel):
             text_conditioned=False,
             supports_steps=True,
             extra_args=frozenset({ECHO_STEP_DELAY_S, ECHO_FAIL_AT_STEP, ECHO_EXIT_AT_STEP}),
+            # A picture to start from is carried to it like any payload, and not looked at.
+            image_input=True,
         )
         self.step_delay_s = _delay(step_delay_s, "step_delay_s")
         self._sleep = sleep

@@ -12,6 +12,8 @@ Families:
 - ``text2image``: a ``UNet2DConditionModel`` with a text encoder and tokenizer whose
   ``__call__`` takes prompt, negative_prompt, height, width, num_images_per_prompt, ... and no
   conditioning image (``StableDiffusionPipeline`` and look-alikes).
+  The same pipeline starts from a picture (image-to-image) or repaints a masked region
+  (inpainting) when its UNet takes the latent alone (:mod:`omni_trio.models.pipeline_image`).
 - ``unconditional``: a pipeline of only a ``UNet2DModel`` and a scheduler (``DDIMPipeline``,
   ``DDPMPipeline``); the prompt is ignored and the size is fixed by the UNet.
 
@@ -37,7 +39,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, InvalidRequestError
 from .base import (
     BatchParams,
     CfgSplit,
@@ -270,6 +272,7 @@ class DiffusersModel(DiffusionModel):
             ignored_params=(frozenset() if text_conditioned else _UNCONDITIONAL_IGNORES),
             calibrate=True,
             scheduler=_scheduler_name(pipe),
+            image_input=_takes_pictures(pipe, adapter),
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.
@@ -373,6 +376,8 @@ class DiffusersModel(DiffusionModel):
         ``timesteps``/``sigmas`` the scheduler does not take, and, on an unconditional model,
         for a size other than its own.
         """
+        if requests and requests[0].sampling.image is not None:
+            return self._generate_from_pictures(requests, generators, output_type, on_step)
         with self._lock:
             pipe = self.pipeline
             params = BatchParams.from_requests(requests, generators, self.info, output_type)
@@ -393,6 +398,39 @@ class DiffusersModel(DiffusionModel):
             with unet_step_hook(pipe, on_step), self.cfg_guided(doubled):
                 images = call()
             return [[_own(images[i * n + j]) for j in range(n)] for i in range(len(requests))]
+
+    def _generate_from_pictures(
+        self,
+        requests: Sequence[DiffusionRequest],
+        generators: Sequence[torch.Generator],
+        output_type: ModelOutputType,
+        on_step: StepHook,
+    ) -> list[list[Any]]:
+        """Image-to-image and inpainting in request mode: the step adapter's math run to
+        the end in one call, every request of the wave a row of each UNet call (their
+        compatibility key gives them one size, conditioning, strength and schedule), so a
+        request renders as it does in step mode.  ``on_step`` runs before every UNet call.
+        The model lock is taken by each adapter call, not for the whole call."""
+        adapter = self._step_adapter
+        if adapter is None or not self.info.image_input:
+            raise InvalidRequestError(
+                f"model {self.info.name} does not take an image to start from", param="image"
+            )
+        BatchParams.from_requests(requests, generators, self.info, output_type)
+        states = []
+        try:
+            for request, generator in zip(requests, generators, strict=True):
+                states.append(adapter.prepare_encode(request, generator))
+            total = states[0].total_steps
+            for step in range(total):
+                on_step(step, total)
+                noise = adapter.denoise_step(states)
+                for state, prediction in zip(states, noise, strict=True):
+                    adapter.step_scheduler(state, prediction)
+            return [adapter.post_decode(state, output_type=output_type) for state in states]
+        finally:
+            for state in states:
+                adapter.release(state)
 
     def _text2image_call(
         self,
@@ -470,6 +508,15 @@ class DiffusersModel(DiffusionModel):
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def _takes_pictures(pipe: Any, adapter: StepAdapter | None) -> bool:
+    """Image-to-image and inpainting run through the text-to-image step adapter, on a UNet
+    that takes the latent alone (see :mod:`omni_trio.models.pipeline_image`)."""
+    from .pipeline_image import takes_pictures
+    from .pipeline_step import Text2ImageStepAdapter
+
+    return isinstance(adapter, Text2ImageStepAdapter) and takes_pictures(pipe)
 
 
 def _own(item: Any) -> Any:

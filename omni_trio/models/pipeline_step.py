@@ -9,6 +9,9 @@ mode runs, so a request stepped alone gives bit-identical outputs to ``generate`
   [generator] * n) * init_noise_sigma``; per step ``scale_model_input`` with the request's own
   scheduler, the UNet, ``uncond + g * (cond - uncond)`` and ``scheduler.step(..., **extra step
   kwargs)``; then ``vae.decode``, the safety checker (if any) and ``image_processor``.
+  From a picture (``SamplingParams.image``, and ``mask_image`` for inpainting) the schedule
+  and first latents are those of diffusers' image-to-image and inpainting pipelines, and an
+  inpainting step ends with their blend (:mod:`omni_trio.models.pipeline_image`).
 - ``unconditional`` (``DDIMPipeline``/``DDPMPipeline.__call__``): latents
   ``randn_tensor((n, C, H, W), [generator] * n)``; per step the UNet and ``scheduler.step``;
   then ``(x / 2 + 0.5).clamp(0, 1)``.
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .base import MODEL_OUTPUT_TYPES, BatchParams, Family, ModelInfo, ModelOutputType
 from .pipeline_checks import check_text2image_schedule, check_unconditional_params
+from .pipeline_image import keep_unmasked, start_from_picture
 from .step import StepAdapter, StepState, check_step_batch, check_step_left
 
 if TYPE_CHECKING:
@@ -130,6 +134,11 @@ class _DiffusersStepAdapter(StepAdapter):
                 noise_pred, t, state.latents, **state.extra["step_kwargs"], return_dict=False
             )[0]
             state.step_index += 1
+            inpaint = state.extra.get("inpaint")
+            if inpaint is not None:  # outside the mask: the picture, noised to the next step
+                state.latents = keep_unmasked(
+                    state.scheduler, state.latents, inpaint, state.step_index
+                )
 
     def release(self, state: StepState) -> None:
         state.latents = None
@@ -180,17 +189,43 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
             timesteps, _ = retrieve_timesteps(
                 scheduler, params.num_inference_steps, device, timesteps_arg, sigmas_arg
             )
-            scale = pipe.vae_scale_factor
-            shape = (
-                n,
-                pipe.unet.config.in_channels,
-                int(params.height) // scale,
-                int(params.width) // scale,
-            )
-            latents = randn_tensor(
-                shape, generator=generators, device=device, dtype=prompt_embeds.dtype
-            )
-            latents = latents * scheduler.init_noise_sigma
+            extra: dict[str, Any] = {
+                "prompt_embeds": prompt_embeds,
+                "negative_prompt_embeds": negative_embeds,
+                "guidance_scale": params.guidance_scale,
+                # prepare_extra_step_kwargs only inspects the scheduler's class.
+                "step_kwargs": pipe.prepare_extra_step_kwargs(generators, 0.0),
+            }
+            sp = request.sampling
+            if sp.image is not None:
+                start = start_from_picture(
+                    pipe,
+                    scheduler,
+                    image=sp.image,
+                    mask_image=sp.mask_image,
+                    strength=sp.effective_strength,
+                    num_inference_steps=len(timesteps),
+                    height=int(params.height),
+                    width=int(params.width),
+                    generators=generators,
+                    device=device,
+                    dtype=prompt_embeds.dtype,
+                )
+                timesteps, latents = start.timesteps, start.latents
+                if start.mask is not None:
+                    extra["inpaint"] = start
+            else:
+                scale = pipe.vae_scale_factor
+                shape = (
+                    n,
+                    pipe.unet.config.in_channels,
+                    int(params.height) // scale,
+                    int(params.width) // scale,
+                )
+                latents = randn_tensor(
+                    shape, generator=generators, device=device, dtype=prompt_embeds.dtype
+                )
+                latents = latents * scheduler.init_noise_sigma
             return StepState(
                 request=request,
                 generator=generator,
@@ -198,13 +233,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
                 latents=latents,
                 scheduler=scheduler,
                 timesteps=timesteps,
-                extra={
-                    "prompt_embeds": prompt_embeds,
-                    "negative_prompt_embeds": negative_embeds,
-                    "guidance_scale": params.guidance_scale,
-                    # prepare_extra_step_kwargs only inspects the scheduler's class.
-                    "step_kwargs": pipe.prepare_extra_step_kwargs(generators, 0.0),
-                },
+                extra=extra,
             )
 
     def _batch_key(self, state: StepState) -> Mapping[str, Any]:

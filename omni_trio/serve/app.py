@@ -82,6 +82,7 @@ from ..errors import (
     InvalidRequestError,
 )
 from .config import MIB
+from .edits import form_digest, parse_edit_form
 from .http import HEAD_MAX_BYTES, SEND_CHUNK, SEND_DEADLINE, SendDeadline
 from .idempotency import (
     DEFAULT_IDEMPOTENCY_MAX_BYTES,
@@ -106,6 +107,7 @@ from .images import (
 )
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServeMetrics
+from .multipart import MultipartError, boundary_of, parse_form
 from .pool import (
     MAX_RETRY_AFTER_S,
     DrainingError,
@@ -602,6 +604,12 @@ class ImagesApp:
             ex.route = path
             self._allow(ex, "POST")
             await self._generate(ex, receive, send, self._base_url(scope))
+        elif path in ("/v1/images/edits", "/v1/images/variations"):
+            ex.route = path
+            self._allow(ex, "POST")
+            await self._edit(
+                ex, receive, send, self._base_url(scope), variation=path.endswith("variations")
+            )
         elif path.startswith("/v1/requests/") and path.count("/") == 3:
             ex.route = "/v1/requests/{id}"
             self._allow(ex, "GET", "DELETE")
@@ -801,16 +809,23 @@ class ImagesApp:
         pixels = width * height if width is not None and height is not None else None
         if pixels is None:
             pixels = self.limits.max_pixels
-        return parsed.n * (pixels * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE)
+        answer = parsed.n * (pixels * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE)
+        held = 0  # an edit's decoded picture (RGB) and mask (L), held until it ends
+        for picture, channels in ((parsed.params.image, 3), (parsed.params.mask_image, 1)):
+            if picture is not None:
+                held += picture.size[0] * picture.size[1] * channels
+        return answer + held
 
     # -- generation ------------------------------------------------------------------------
 
-    async def _read_body(self, ex: _Exchange, receive: Receive) -> bytes:
-        """The request body, refused (413) past ``max_body_bytes`` -- by Content-Length
-        before reading anything, else as soon as the count passes the cap -- and (408) when
-        all of it has not arrived within ``body_read_timeout_s``."""
+    async def _read_body(
+        self, ex: _Exchange, receive: Receive, *, limit: int | None = None
+    ) -> bytes:
+        """The request body, refused (413) past ``limit`` (default ``max_body_bytes``) -- by
+        Content-Length before reading anything, else as soon as the count passes the cap --
+        and (408) when all of it has not arrived within ``body_read_timeout_s``."""
         with trio.move_on_after(self.body_read_timeout_s):
-            return await self._read_body_now(ex, receive)
+            return await self._read_body_now(ex, receive, limit or self.limits.max_body_bytes)
         self.metrics.observe_slow_client("body_timeout")
         raise ApiError(
             408,
@@ -818,8 +833,7 @@ class ImagesApp:
             code="request_timeout",
         )
 
-    async def _read_body_now(self, ex: _Exchange, receive: Receive) -> bytes:
-        limit = self.limits.max_body_bytes
+    async def _read_body_now(self, ex: _Exchange, receive: Receive, limit: int) -> bytes:
         declared = ex.header("content-length")
         if declared is not None:
             if not declared.isdigit() or len(ex.headers["content-length"]) != 1:
@@ -939,13 +953,46 @@ class ImagesApp:
         if key is None:
             await self._generate_parsed(ex, parsed, receive, send, base_url)
         else:
-            await self._generate_idempotent(ex, key, body, parsed, receive, send, base_url)
+            digest = body_digest(json.loads(body))
+            await self._generate_idempotent(ex, key, digest, parsed, receive, send, base_url)
+
+    async def _edit(
+        self, ex: _Exchange, receive: Receive, send: Send, base_url: str, *, variation: bool
+    ) -> None:
+        """``POST /v1/images/edits`` / ``variations`` (multipart, :mod:`.edits`): the form
+        read within ``max_upload_bytes``, parsed and its pictures decoded in a thread, then
+        run as a generation (idempotency, streaming, cancellation and limits alike)."""
+        try:
+            boundary = boundary_of(ex.header("content-type") or "")
+        except MultipartError as exc:
+            status = 415 if exc.code == "unsupported_media_type" else 400
+            raise ApiError(status, exc.message, param="Content-Type", code=exc.code) from None
+        body = await self._read_body(ex, receive, limit=self.limits.max_upload_bytes)
+        limits, model = self.limits, self.model_name
+
+        def parse(data: bytes) -> tuple[ParsedRequest, str]:
+            try:
+                parts = parse_form(data, boundary, max_file_bytes=limits.max_upload_bytes)
+            except MultipartError as exc:
+                raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
+            parsed = parse_edit_form(parts, limits=limits, default_model=model, variation=variation)
+            return parsed, form_digest(parts)
+
+        parsed, digest = await trio.to_thread.run_sync(parse, body)
+        del body
+        if parsed.ignored_fields:
+            ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))
+        key = ex.header("idempotency-key")
+        if key is None:
+            await self._generate_parsed(ex, parsed, receive, send, base_url)
+        else:
+            await self._generate_idempotent(ex, key, digest, parsed, receive, send, base_url)
 
     async def _generate_idempotent(
         self,
         ex: _Exchange,
         key: str,
-        body: bytes,
+        digest: str,
         parsed: ParsedRequest,
         receive: Receive,
         send: Send,
@@ -958,7 +1005,6 @@ class ImagesApp:
         problem = check_key(key)
         if problem is not None:
             raise ApiError(400, problem, param="Idempotency-Key", code="invalid_idempotency_key")
-        digest = body_digest(json.loads(body))
         store, owner = self.idempotency, ex.owner
         while (entry := store.lookup(owner, key, trio.current_time())) is not None:
             if entry.digest != digest:
@@ -1274,7 +1320,8 @@ class ImagesApp:
     ) -> None:
         """Answer with server-sent events: ``image_generation.progress`` (step/total, when
         known), up to ``partial_images`` ``image_generation.partial_image`` (from step-mode
-        previews, evenly picked), then one ``image_generation.completed`` per image; any
+        previews, evenly picked), then one ``image_generation.completed`` per image (an
+        edit's are named ``image_edit.*``: ``parsed.event_prefix``); any
         failure after the headers went out is an ``error`` event with the envelope.  Images
         in events are always ``b64_json`` (``response_format`` applies to JSON answers)."""
         rid = submission.request_id
@@ -1299,10 +1346,8 @@ class ImagesApp:
             if current is not None and current != last_progress:
                 last_progress = current
                 step, total = current
-                await emit(
-                    "image_generation.progress",
-                    {"type": "image_generation.progress", "id": rid, "step": step, "total": total},
-                )
+                kind = f"{parsed.event_prefix}.progress"
+                await emit(kind, {"type": kind, "id": rid, "step": step, "total": total})
 
         async def emit_images(kind: str, images: Any, **extra: Any) -> None:
             """One SSE event per image: ``kind`` with the image and the shared fields."""
@@ -1332,7 +1377,7 @@ class ImagesApp:
             if output.chunk_index not in targets or not output.images:
                 return
             await emit_images(
-                "image_generation.partial_image",
+                f"{parsed.event_prefix}.partial_image",
                 output.images,
                 partial_image_index=partial_index,
             )
@@ -1351,7 +1396,9 @@ class ImagesApp:
             await emit("error", {"type": "error", **err.body()})
             await self._end(send)
             return
-        await emit_images("image_generation.completed", final.images, usage=None, seed=final.seed)
+        await emit_images(
+            f"{parsed.event_prefix}.completed", final.images, usage=None, seed=final.seed
+        )
         total_ms = (time.perf_counter() - ex.start) * 1000.0
         self.metrics.observe_generation(final.metrics, total_ms, len(final.images))
         await self._end(send)

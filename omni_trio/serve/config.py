@@ -175,6 +175,9 @@ class ServeConfig:
     max_n: int = 4
     max_pixels: int = 1024 * 1024
     max_steps: int = 200
+    # /v1/images/edits and /variations: the multipart body, and each picture's width * height.
+    max_upload_bytes: int = 16 * MIB
+    max_upload_pixels: int = 4096 * 4096
     # response_format=url: images kept this long, in at most this many bytes (oldest evicted).
     url_ttl_s: float = 600.0
     url_store_max_bytes: int = 256 * MIB
@@ -227,6 +230,8 @@ class ServeConfig:
         _check_float("idempotency_ttl_s", self.idempotency_ttl_s, positive=True)
         _check_int("idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         _check_int("max_body_bytes", self.max_body_bytes, minimum=1)
+        _check_int("max_upload_bytes", self.max_upload_bytes, minimum=1)
+        _check_int("max_upload_pixels", self.max_upload_pixels, minimum=64)
         _check_int("max_prompt_chars", self.max_prompt_chars, minimum=1)
         _check_int("max_n", self.max_n, minimum=1)
         _check_int("max_pixels", self.max_pixels, minimum=1)
@@ -649,6 +654,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-n", ("max_n",), "most images per request (n)", type=int, metavar="N"),
     Flag("--max-pixels", ("max_pixels",), "largest width*height", type=int, metavar="N"),
     Flag("--max-steps", ("max_steps",), "most num_inference_steps", type=int, metavar="N"),
+    Flag(
+        "--max-upload-bytes",
+        ("max_upload_bytes",),
+        "largest multipart body of /v1/images/edits and /variations",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--max-upload-pixels",
+        ("max_upload_pixels",),
+        "largest width*height of an uploaded picture (read from its header, before decoding)",
+        type=int,
+        metavar="N",
+    ),
     Flag(
         "--url-ttl",
         ("url_ttl_s",),

@@ -480,6 +480,8 @@ class _Daemon:
             max_n=c.max_n,
             max_pixels=c.max_pixels,
             max_steps=c.max_steps,
+            max_upload_bytes=c.max_upload_bytes,
+            max_upload_pixels=c.max_upload_pixels,
         )
         store = ImageStore(ttl_s=c.url_ttl_s, max_bytes=c.url_store_max_bytes)
         return ImagesApp(

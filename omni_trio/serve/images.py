@@ -163,9 +163,21 @@ class ServeLimits:
     max_n: int = 4
     max_pixels: int = 1024 * 1024
     max_steps: int = 200
+    # POST /v1/images/edits and /variations: the whole multipart body, and each picture's
+    # width * height as its file says (checked before it is decoded).
+    max_upload_bytes: int = 16 * 1024 * 1024
+    max_upload_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_n", "max_pixels", "max_steps"):
+        for name in (
+            "max_body_bytes",
+            "max_prompt_chars",
+            "max_n",
+            "max_pixels",
+            "max_steps",
+            "max_upload_bytes",
+            "max_upload_pixels",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -186,6 +198,8 @@ class ParsedRequest:
     partial_images: int = 0
     timeout: float | None = None
     ignored_fields: tuple[str, ...] = field(default_factory=tuple)
+    # Streaming events are named "<event_prefix>.partial_image", ".completed", ".progress".
+    event_prefix: str = "image_generation"
 
     @property
     def content_type(self) -> str:
@@ -414,7 +428,10 @@ def image_metadata(
     is set: pass the seed the engine used, ``output.seed``); ``steps`` (``total_steps``);
     ``guidance_scale``; ``size`` ``"WxH"`` (``size``, else ``params`` when both sides are set,
     else left out); ``model``; ``scheduler`` (when known); ``n`` and ``image_index`` (when
-    ``image_index`` is given); and ``parameters``, all of it in the one-text form of
+    ``image_index`` is given); from a picture, ``steps`` is ``num_inference_steps`` and
+    ``strength`` and ``conditioning`` (``image``, ``inpaint``) are added (A1111's
+    ``Denoising strength``: the picture itself is not part of the recipe); and
+    ``parameters``, all of it in the one-text form of
     AUTOMATIC1111's web UI (prompt, ``Negative prompt: ...``, then ``Steps: 20, Sampler: ...,
     CFG scale: 7.5, Seed: 5, Size: 64x64, Model: ...``), which other tools read.
 
@@ -440,7 +457,12 @@ def image_metadata(
         meta["negative_prompt"] = clip(params.negative_prompt)
     if params.seed is not None:
         meta["seed"] = str(params.seed)
-    meta["steps"] = str(params.total_steps)
+    pictured = params.image is not None
+    # From a picture the recipe is the schedule asked for and the strength that cut it.
+    meta["steps"] = str(params.num_inference_steps if pictured else params.total_steps)
+    if pictured:
+        meta["strength"] = _decimal(params.effective_strength)
+        meta["conditioning"] = params.conditioning
     meta["guidance_scale"] = _decimal(params.guidance_scale)
     if size is not None:
         meta["size"] = size
@@ -459,6 +481,8 @@ def image_metadata(
         settings.append(("Seed", meta["seed"]))
     if size is not None:
         settings.append(("Size", size))
+    if pictured:
+        settings.append(("Denoising strength", meta["strength"]))
     settings.append(("Model", meta["model"]))
     if image_index is not None and n > 1:
         settings += [("Batch size", str(n)), ("Batch pos", str(image_index))]

@@ -99,6 +99,10 @@ class MachineOptions:
     # The engine's scheduling policy; under "priority" each request draws a priority in
     # -3..3 (so better arrivals pass waiting ones and, in step mode, may preempt running ones).
     scheduling_policy: str = "fifo"
+    # Requests may start from a picture (image-to-image, inpainting; echo carries it and does
+    # not look at it), some over the shared-memory threshold, so that every lifecycle rule
+    # runs with pictures on the wire too.
+    pictures: bool = False
     step_delay_s: float = 0.005
     faults: tuple[Fault, ...] = FAILING_FAULTS + BENIGN_FAULTS
     crash_rule: bool = True
@@ -175,6 +179,8 @@ class CampaignStats:
     restarts: int = 0
     # Step-boundary preemptions (scheduling_policy "priority"), from each engine's trace.
     preemptions: int = 0
+    # Requests that started from a picture (MachineOptions.pictures).
+    pictures: int = 0
     invariant_checks: int = 0
     engines: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -204,6 +210,28 @@ def _fault_fires(spec: FaultSpec | None, steps: int, mode: str = "request") -> b
     if spec.kind in _STEP_FAULTS:
         return spec.step is not None and spec.step < steps
     return True
+
+
+# What a submitted request starts from (MachineOptions.pictures): noise, a small picture, one
+# over the shared-memory threshold (640 x 640 x 3 bytes), a small picture and a mask.
+PICTURES = ("none", "small", "large", "inpaint")
+
+
+def _picture_fields(picture: str, seed: int, steps: int) -> dict[str, Any]:
+    """``image``/``mask_image``/``strength`` for ``picture``; strength halves the steps when
+    there are at least two (so the cut schedule is exercised), else keeps the one."""
+    if picture == "none":
+        return {}
+    import numpy as np
+
+    side = 640 if picture == "large" else 40
+    fields: dict[str, Any] = {
+        "image": np.full((side, side, 3), seed % 256, dtype=np.uint8),
+        "strength": 0.5 if steps >= 2 else 1.0,
+    }
+    if picture == "inpaint":
+        fields["mask_image"] = np.full((side, side), 255, dtype=np.uint8)
+    return fields
 
 
 def make_engine_machine(
@@ -308,6 +336,7 @@ def make_engine_machine(
             # Drawn only under "priority" (st.just draws nothing: other campaigns' examples
             # and reproducers are unchanged).
             priority=st.integers(-3, 3) if prioritised else st.just(0),
+            picture=st.sampled_from(PICTURES) if options.pictures else st.just("none"),
         )
         def submit(
             self,
@@ -317,10 +346,17 @@ def make_engine_machine(
             fault_step: int,
             delay: float,
             priority: int,
+            picture: str,
         ) -> str:
             params = SamplingParams(
-                num_inference_steps=steps, seed=seed, height=32, width=32, priority=priority
+                num_inference_steps=steps,
+                seed=seed,
+                height=32,
+                width=32,
+                priority=priority,
+                **_picture_fields(picture, seed, steps),
             )
+            steps = params.total_steps
             spec: FaultSpec | None = None
             if fault is not None:
                 if fault in _STEP_FAULTS:
@@ -342,6 +378,8 @@ def make_engine_machine(
                     self.fault_marks.append(mark)
             self.submitted[rid] = _Submitted(rid, steps, spec)
             stats.requests += 1
+            if picture != "none":
+                stats.pictures += 1
             stats.rules += 1
             return rid
 

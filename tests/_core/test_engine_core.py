@@ -6,6 +6,7 @@ instructions it answers with, the states it leaves behind and the trace it recor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -112,6 +113,34 @@ def test_a_fixed_size_model_refuses_other_sizes_before_admission() -> None:
     assert info.value.param == "size"
     assert not core.is_live("a")
     assert admit(core, "b").sampling.height == 32
+
+
+def test_a_picture_gives_its_own_size_rounded_down_to_a_multiple_of_8() -> None:
+    import numpy as np
+
+    core, trace = make()
+    core.group_started(dataclasses.replace(INFO, image_input=True, min_side=16), 0.0)
+    picture = np.zeros((45, 63, 3), np.uint8)  # 63 wide, 45 high
+    request = admit(core, "a", image=picture, num_inference_steps=10, strength=0.5)
+    assert (request.sampling.width, request.sampling.height) == (56, 40)
+    assert request.sampling.image is picture  # carried as given; the worker resizes it
+    explicit = admit(core, "b", image=picture, height=32, width=48)
+    assert (explicit.sampling.width, explicit.sampling.height) == (48, 32)
+    [event] = [e for e in trace if e.kind is K.ADMIT and e.request_id == "a"]
+    assert event.detail is not None and event.detail["steps"] == 5  # strength halves them
+    with pytest.raises(InvalidRequestError, match="renders sizes from") as info:
+        admit(core, "small", image=np.zeros((9, 9, 3), np.uint8))  # 8x8 < min_side 16
+    assert info.value.param == "size"
+
+
+def test_a_model_without_image_input_refuses_pictures_before_admission() -> None:
+    import numpy as np
+
+    core, _ = make()
+    with pytest.raises(InvalidRequestError, match="does not take an image") as info:
+        admit(core, "a", image=np.zeros((48, 64, 3), np.uint8))
+    assert info.value.param == "image"
+    assert not core.is_live("a")
 
 
 def test_admission_refuses_bad_input_duplicates_and_faults() -> None:

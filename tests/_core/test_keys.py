@@ -134,3 +134,37 @@ def test_different_timesteps_of_equal_length_differ_in_request_key() -> None:
 @pytest.mark.parametrize("key_fn", BOTH, ids=lambda f: f.__name__)
 def test_int_and_float_guidance_share_a_key(key_fn: KeyFn) -> None:
     assert key_fn(make_request(guidance_scale=7)) == key_fn(make_request(guidance_scale=7.0))
+
+
+# -- pictures ---------------------------------------------------------------------------------
+
+
+def _picture(value: int = 0) -> Any:
+    import numpy as np
+
+    return np.full((512, 512, 3), value, np.uint8)
+
+
+@pytest.mark.parametrize("key_fn", BOTH, ids=lambda f: f.__name__)
+def test_the_conditioning_separates_text_image_and_inpaint(key_fn: KeyFn) -> None:
+    text = make_request()
+    image = make_request(image=_picture())
+    inpaint = make_request(image=_picture(), mask_image=_picture()[:, :, 0])
+    assert len({key_fn(text), key_fn(image), key_fn(inpaint)}) == 3
+
+
+@pytest.mark.parametrize("key_fn", BOTH, ids=lambda f: f.__name__)
+def test_requests_of_one_size_fuse_whatever_their_pictures(key_fn: KeyFn) -> None:
+    # Pictures are resized to the request's size: the picture itself never splits a batch.
+    assert key_fn(make_request(image=_picture(0))) == key_fn(make_request(image=_picture(255)))
+
+
+def test_strength_is_part_of_the_request_key_only() -> None:
+    # It decides where the schedule starts: one wave runs one schedule; a step batch does not.
+    a = make_request(image=_picture(), strength=0.5)
+    b = make_request(image=_picture(), strength=0.7)
+    default = make_request(image=_picture())
+    explicit = make_request(image=_picture(), strength=0.8)  # the image-to-image default
+    assert request_batch_key(a) != request_batch_key(b)
+    assert request_batch_key(default) == request_batch_key(explicit)
+    assert step_batch_key(a) == step_batch_key(b)

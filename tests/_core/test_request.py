@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from omni_trio._core.request import (
     DiffusionRequest,
     RequestLimits,
     SamplingParams,
+    image_size,
     validate_request,
 )
 from omni_trio.errors import InvalidRequestError
@@ -335,3 +337,121 @@ def test_the_priority_range_is_the_limits_one() -> None:
 @pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), True, "5"], ids=repr)
 def test_bad_deadline(deadline: Any) -> None:
     assert_rejected(make_request(deadline_s=deadline), "deadline_s")
+
+
+# -- starting from a picture (image-to-image, inpainting) -------------------------------------
+
+
+def _picture(width: int = 40, height: int = 32, mode: str = "RGB") -> Any:
+    from PIL import Image
+
+    return Image.new(mode, (width, height))
+
+
+def test_the_conditioning_follows_image_and_mask() -> None:
+    import numpy as np
+
+    assert SamplingParams().conditioning == "text"
+    assert SamplingParams(image=_picture()).conditioning == "image"
+    assert SamplingParams(image=_picture(), mask_image=_picture(mode="L")).conditioning == "inpaint"
+    arr = np.zeros((32, 40, 3), np.uint8)
+    assert SamplingParams(image=arr, mask_image=arr[:, :, 0]).conditioning == "inpaint"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "strength", "steps"),
+    [
+        ({}, 1.0, 20),
+        ({"image": True}, 0.8, 16),  # diffusers' image-to-image default
+        ({"image": True, "mask_image": True}, 1.0, 20),  # and its inpainting default
+        ({"image": True, "strength": 0.6}, 0.6, 12),
+        ({"image": True, "strength": 0.33}, 0.33, 6),  # int(20 * 0.33): rounded down
+        ({"image": True, "strength": 1}, 1.0, 20),
+    ],
+)
+def test_strength_cuts_the_steps_as_diffusers_does(
+    kwargs: dict[str, Any], strength: float, steps: int
+) -> None:
+    picture = _picture()
+    for name in ("image", "mask_image"):
+        if kwargs.get(name) is True:
+            kwargs[name] = picture
+    sp = SamplingParams(num_inference_steps=20, **kwargs)
+    assert sp.effective_strength == strength
+    assert sp.total_steps == steps
+
+
+def test_images_do_not_take_part_in_equality() -> None:
+    import numpy as np
+
+    a = SamplingParams(image=np.zeros((8, 8, 3), np.uint8), seed=1)
+    b = SamplingParams(image=np.ones((8, 8, 3), np.uint8), seed=1)
+    assert a == b  # arrays would make == ambiguous; pictures are compared by identity
+    assert a != b.replace(seed=2)
+
+
+def test_image_requests_that_validate() -> None:
+    import numpy as np
+
+    for sampling in (
+        SamplingParams(image=_picture()),
+        SamplingParams(image=_picture(mode="RGBA"), strength=0.5),
+        SamplingParams(image=np.zeros((16, 24), np.uint8), mask_image=np.zeros((16, 24), np.uint8)),
+        SamplingParams(image=np.zeros((16, 24, 4), np.uint8), mask_image=_picture(24, 16, "L")),
+    ):
+        validate_request(DiffusionRequest("p", sampling, "r"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "message"),
+    [
+        ({"mask_image": "picture"}, "mask_image", "needs an image"),
+        ({"strength": 0.5}, "strength", "only to a request with an image"),
+        ({"image": "a.png"}, "image", "PIL image or an (H, W)"),
+        ({"image": b"\x89PNG"}, "image", "not bytes"),
+        ({"image": "f32"}, "image", "uint8 array"),
+        ({"image": "5ch"}, "image", "uint8 array"),
+        ({"image": "tiny"}, "image", "at least 8"),
+        ({"image": "huge"}, "image", "at most 4096 allowed"),
+        ({"image": "picture", "mask_image": 7}, "mask_image", "not int"),
+        ({"image": "picture", "mask_image": "small"}, "mask_image", "they must match"),
+        ({"image": "picture", "strength": 0}, "strength", "(0, 1]"),
+        ({"image": "picture", "strength": 1.5}, "strength", "(0, 1]"),
+        ({"image": "picture", "strength": math.nan}, "strength", "(0, 1]"),
+        ({"image": "picture", "strength": True}, "strength", "(0, 1]"),
+        ({"image": "picture", "timesteps": (1.0, 2.0)}, "timesteps", "cannot be combined"),
+        ({"image": "picture", "sigmas": (1.0, 0.0)}, "sigmas", "cannot be combined"),
+        ({"image": "picture", "strength": 0.04}, "strength", "runs no step"),
+    ],
+)
+def test_bad_pictures_are_refused_naming_the_field(
+    kwargs: dict[str, Any], param: str, message: str
+) -> None:
+    import numpy as np
+
+    named = {
+        "picture": _picture(),
+        "f32": np.zeros((16, 16, 3), np.float32),
+        "5ch": np.zeros((16, 16, 5), np.uint8),
+        "tiny": _picture(4, 16),
+        "huge": np.zeros((80, 80), np.uint8),
+        "small": _picture(8, 8, "L"),
+    }
+    kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    if "mask_image" in kwargs and "image" not in kwargs:
+        kwargs["mask_image"] = _picture()
+    limits = RequestLimits(max_pixels=4096)
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        validate_request(DiffusionRequest("p", SamplingParams(**kwargs), "r"), limits)
+    assert info.value.param == param
+
+
+def test_image_size_reads_pil_and_arrays_and_nothing_else() -> None:
+    import numpy as np
+
+    assert image_size(_picture(40, 32)) == (40, 32)
+    assert image_size(np.zeros((32, 40, 3), np.uint8)) == (40, 32)
+    assert image_size(np.zeros((32, 40), np.uint8)) == (40, 32)
+    assert image_size(np.zeros((32, 40, 2), np.uint8)) is None
+    assert image_size(np.zeros((32, 40, 3), np.int64)) is None
+    assert image_size("32x40") is None

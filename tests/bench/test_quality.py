@@ -1,4 +1,5 @@
-"""``bench quality`` runs end to end on a tiny N and reports adherence per prompt and in total.
+"""``bench quality`` runs end to end on a tiny N and reports adherence per prompt and in total;
+``--img2img`` recolours and inpaints the renders and reports per mode.
 
 Smoke tests: 1 image per prompt at 2 steps says nothing about the model (see
 tests/models/shapes/test_trained_model.py and docs/benchmarks.md for that).
@@ -11,10 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from omni_trio.bench import add_bench_parser, run_bench
-from omni_trio.bench.quality import COLOUR_TARGET, SHAPE_TARGET, prompt_for
+from omni_trio.bench.quality import (
+    COLOUR_TARGET,
+    SHAPE_TARGET,
+    UNMASKED_TARGET,
+    inpaint_mask,
+    other,
+    prompt_for,
+)
 from omni_trio.models.shapes import COLOURS, SHAPES
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
@@ -56,6 +65,60 @@ def test_quality_quick_on_the_tractor_backend(tmp_path: Path, cache_dir: Path) -
     assert set(results["per_prompt"]) == {"a red circle", "a blue circle"}
     assert [row["prompt"] for row in data["rows"]] == ["a red circle", "a blue circle", "total"]
     assert "| a red circle" in out and "colour adherence" in out
+
+
+def test_the_edits_ask_for_another_colour_and_shape_and_mask_the_shape() -> None:
+    assert [other("red", tuple(COLOURS), turn) for turn in range(5)] == [
+        c for c in COLOURS if c != "red"
+    ]
+    assert other("circle", SHAPES, 0) != "circle" and other("circle", SHAPES, 7) != "circle"
+    picture = np.ones((32, 32, 3))
+    assert inpaint_mask(picture) is None
+    picture[10:14, 1:5] = (1.0, 0.0, 0.0)
+    mask = inpaint_mask(picture)
+    assert mask is not None and mask.sum() == 10 * 8  # rows 7..16, columns 0..7 (clipped at 0)
+    assert mask[7:17, 0:8].all()
+
+
+@pytest.mark.slow
+def test_img2img_quick_recolours_and_inpaints_from_the_picture(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    argv = ["--cache-dir", str(cache_dir), "--img2img", "--steps", "2", "--strength", "0.5"]
+    code, data, out = _run([*argv, "--colours", "red", "--shapes", "circle"], tmp_path)
+    assert code == 0, out
+    params, results = data["params"], data["results"]
+    assert params["img2img"] is True and params["steps"] == 2
+    assert params["strength"] == 0.5 and params["inpaint_strength"] == 1.0
+    assert params["backend"] == "inproc" and params["samples_per_prompt"] == 1
+    assert results["strength"] == 0.5 and results["inpaint_strength"] == 1.0
+    assert results["images"] == 2 and results["inpaint_skipped"] == 0
+    for key in (
+        "recolour_colour_adherence",
+        "recolour_shape_kept",
+        "inpaint_colour_adherence",
+        "inpaint_shape_adherence",
+    ):
+        assert 0.0 <= results[key] <= 1.0, key
+    assert (results["colour_target"], results["unmasked_target"]) == (0.90, UNMASKED_TARGET)
+    for key in ("recolour_colour_target_met", "inpaint_colour_target_met"):
+        assert isinstance(results[key], bool)
+    # Outside the mask the picture is kept: a request that ignored it would draw a new picture
+    # there (~70/255 off at 2 steps).
+    assert isinstance(results["inpaint_unmasked_max_dev"], float)
+    assert results["inpaint_unmasked_max_dev"] <= UNMASKED_TARGET
+    assert results["unmasked_target_met"] is True
+    assert [row["mode"] for row in data["rows"]] == [
+        "recolour (strength 0.5)",
+        "inpaint (strength 1)",
+        "total",
+    ]
+    assert "unmasked max deviation" in out
+
+
+def test_strength_without_img2img_is_bad_input(tmp_path: Path, cache_dir: Path) -> None:
+    code, _, _ = _run(["--cache-dir", str(cache_dir), "--strength", "0.5"], tmp_path)
+    assert code == 2
 
 
 def test_an_unknown_colour_is_bad_input(tmp_path: Path, cache_dir: Path) -> None:

@@ -361,3 +361,64 @@ async def test_the_scheduling_policies_run_on_worker_processes(
         assert decode_echo_image(results["high"].images[0]) == ("high", 2, 0)
     else:
         assert finished.index("big") < len(finished) - 1, finished
+
+
+def _picture(side: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["request", "step"])
+async def test_pictures_travel_to_worker_processes_in_both_modes(
+    backend: str, cache_dir: Path, step: bool
+) -> None:
+    """Image-to-image and inpainting on worker processes (builtin:shapes, whose VAE is the
+    identity): the picture and the mask reach the worker with the request, inpainting
+    gives the picture back outside the mask exactly, image-to-image gives what the same
+    request gives in this process, and a text request beside them is unaffected."""
+    import torch
+
+    from omni_trio.models import load_model
+
+    picture = _picture(32, 1)
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 8:24] = 255
+    common = {"num_inference_steps": 8, "output_type": "np"}
+    requests = {
+        "image": SamplingParams(image=picture, strength=0.6, seed=1, **common),
+        "inpaint": SamplingParams(image=picture, mask_image=mask, strength=0.8, seed=2, **common),
+        "text": SamplingParams(seed=3, **common),
+    }
+    results: dict[str, Any] = {}
+    with trio.fail_after(CAP_S):
+        async with (
+            engine_on(backend, cache_dir, model="builtin:shapes", step_execution=step) as engine,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def one(name: str) -> None:
+                results[name] = await engine.generate("a blue square", requests[name])
+
+            for name in requests:
+                nursery.start_soon(one, name)
+    assert all(out.ok and len(out.images) == 1 for out in results.values()), results
+    keep = mask == 0
+    painted = results["inpaint"].images[0]
+    original = picture.astype(np.float32) / 255
+    assert float(np.abs(painted[keep] - original[keep]).max()) < 1e-6
+    assert float(np.abs(painted[~keep] - original[~keep]).mean()) > 0.05
+    local = load_model(
+        "builtin:shapes",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        cache_dir=cache_dir,
+        options={},
+    )
+    try:
+        req = DiffusionRequest("a blue square", requests["image"], "local")
+        [[expected]] = local.generate(
+            [req], [torch.Generator().manual_seed(1)], output_type="np", on_step=lambda s, t: None
+        )
+    finally:
+        local.close()
+    np.testing.assert_allclose(results["image"].images[0], expected, atol=1e-4)
+    assert float(np.abs(results["text"].images[0] - expected).mean()) > 0.05

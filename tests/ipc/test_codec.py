@@ -281,6 +281,26 @@ def test_large_payloads_travel_by_shm_and_are_unlinked_on_decode() -> None:
     assert len(registry) == 0 and not set(list_our_segments()) & registry.names()
 
 
+def test_a_request_carries_its_picture_and_mask_inline_or_by_shm() -> None:
+    # A picture and a mask are part of the request that goes to every worker (image-to-image,
+    # inpainting); big ones take shared memory like any payload, and the segments are gone
+    # once the worker decoded the message.
+    picture = rgb(32, 24)
+    mask = np.zeros((24, 32), np.uint8)
+    sampling = SamplingParams(image=picture, mask_image=mask, strength=0.6)
+    message = NewRequestData("req-1", DiffusionRequest("p", sampling, "req-1"))
+    out = round_trip(message)
+    assert_same(message, out)
+    assert out.request.sampling.conditioning == "inpaint"
+    registry = SegmentRegistry("t")
+    big = SamplingParams(image=rgb(256, 256), mask_image=np.zeros((256, 256), np.uint8))
+    data = Encoder(shm_threshold=10_000, registry=registry).encode(big)
+    assert len(registry) == 2 and len(data) < 2_000  # only handles travel
+    decoded = Decoder(registry=registry).decode(data)
+    assert_same(big, decoded)
+    assert len(registry) == 0 and not set(list_our_segments()) & registry.names()
+
+
 def test_encoder_threshold_is_exclusive_and_none_disables_shm() -> None:
     registry = SegmentRegistry()
     encoder = Encoder(shm_threshold=4096, registry=registry)

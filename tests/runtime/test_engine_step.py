@@ -786,16 +786,27 @@ async def test_past_the_preempted_state_budget_a_preempted_request_restarts_from
     assert "low" in spy.outputs[2].finished_req_ids  # evicted at the tick after the preemption
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["state-kept", "state-dropped"])
+@pytest.mark.parametrize(
+    ("kept", "picture"),
+    [(True, False), (False, False), (True, True)],
+    ids=["state-kept", "state-dropped", "inpaint-state-kept"],
+)
 async def test_a_preempted_request_gives_exactly_the_image_it_gives_uninterrupted(
-    cache_dir: Path, kept: bool
+    cache_dir: Path, kept: bool, picture: bool
 ) -> None:
     """The real ``builtin:shapes`` pipeline in step mode: a 12-step request preempted for
     a better one mid-way resumes from its kept latents and scheduler state (or, past the
     state budget, starts again from step 0), and its image is bit for bit the one the same
-    seed gives uninterrupted."""
+    seed gives uninterrupted.  An inpainting request keeps its picture, mask and noise with
+    its state."""
     prompt = "a red circle"
     steps, seed = 12, 3
+    extra: dict[str, Any] = {}
+    if picture:
+        pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        mask = np.zeros((32, 32), np.uint8)
+        mask[4:20, 8:28] = 255
+        extra = {"image": pixels, "mask_image": mask, "strength": 1.0}
 
     async def uninterrupted() -> np.ndarray:
         async with open_engine(
@@ -807,7 +818,9 @@ async def test_a_preempted_request_gives_exactly_the_image_it_gives_uninterrupte
                 warmup=False,
             )
         ) as engine:
-            out = await engine.generate(prompt, params(steps, seed=seed), request_id="alone")
+            out = await engine.generate(
+                prompt, params(steps, seed=seed, **extra), request_id="alone"
+            )
         return np.asarray(out.images[0])
 
     with trio.fail_after(CAP_S * 4):
@@ -826,7 +839,9 @@ async def test_a_preempted_request_gives_exactly_the_image_it_gives_uninterrupte
             ),
             trace=trace,
         ) as engine:
-            low = engine.stream(prompt, params(steps, seed=seed, priority=3), request_id="low")
+            low = engine.stream(
+                prompt, params(steps, seed=seed, priority=3, **extra), request_id="low"
+            )
             while (engine.progress("low") or (0, 0))[0] < 3:  # noqa: ASYNC110
                 await trio.sleep(0.005)
             high = await engine.generate("a blue square", params(4, seed=9, priority=-3))

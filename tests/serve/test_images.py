@@ -350,6 +350,18 @@ def test_image_metadata_leaves_out_what_is_unknown_and_numbers_several_images() 
     assert "Batch" not in one["parameters"] and one["n"] == "1"
 
 
+def test_a_recipe_from_a_picture_records_the_schedule_asked_for_and_the_strength() -> None:
+    picture = Image.new("RGB", (64, 48))
+    params = RECIPE.replace(image=picture, strength=0.6)  # runs int(7 * 0.6) = 4 steps
+    meta = image_metadata("a red fox", params, model="m", scheduler=None)
+    assert (meta["steps"], meta["strength"], meta["conditioning"]) == ("7", "0.6", "image")
+    assert "Steps: 7," in meta["parameters"]
+    assert "Size: 64x48, Denoising strength: 0.6, Model: m" in meta["parameters"]
+    inpaint = params.replace(mask_image=Image.new("L", (64, 48)), strength=None)
+    meta = image_metadata("a red fox", inpaint, model="m", scheduler=None)
+    assert (meta["strength"], meta["conditioning"]) == ("1", "inpaint")
+
+
 def test_png_carries_every_key_as_a_text_chunk_and_stays_lossless() -> None:
     meta = image_metadata("a fox, 狐 🦊", RECIPE, model="builtin:echo", scheduler=None)
     data = encode_image(echo_image("abc", 9), "png", metadata=meta)
