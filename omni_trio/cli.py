@@ -803,7 +803,7 @@ def _generate_main(args: argparse.Namespace) -> int:
         defaults={"model": DEFAULT_MODEL, "max_num_seqs": 1, "warmup": False},
         flags={} if args.warmup is None else {"warmup": args.warmup},
     )
-    params = _generate_params(args, config.request_limits.max_pixels)
+    params = _generate_params(args, config.request_limits.max_image_pixels)
     # Reject bad input before loading a model: the engine would raise the same error later.
     validate_request(DiffusionRequest(args.prompt, params, "cli"), config.request_limits)
     out = Path(args.out)

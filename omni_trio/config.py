@@ -217,6 +217,8 @@ class EngineConfig:
     async_output: bool = True
     # Limits applied to every request before admission.
     max_pixels: int = 1024 * 1024
+    # A picture to start from (SamplingParams.image / mask_image), before it is resized.
+    max_image_pixels: int = 4096 * 4096
     max_prompt_chars: int = 10_000
     max_steps: int = 1000
     max_outputs_per_prompt: int = 16
@@ -295,6 +297,7 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("preview_interval", self.preview_interval)
         _positive_int("max_pixels", self.max_pixels)
+        _positive_int("max_image_pixels", self.max_image_pixels)
         _positive_int("max_prompt_chars", self.max_prompt_chars)
         _positive_int("max_steps", self.max_steps)
         _positive_int("max_outputs_per_prompt", self.max_outputs_per_prompt)
@@ -480,6 +483,7 @@ class EngineConfig:
     def request_limits(self) -> RequestLimits:
         return RequestLimits(
             max_pixels=self.max_pixels,
+            max_image_pixels=self.max_image_pixels,
             max_prompt_chars=self.max_prompt_chars,
             max_steps=self.max_steps,
             max_outputs=self.max_outputs_per_prompt,

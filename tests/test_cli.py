@@ -290,8 +290,8 @@ def test_generate_from_a_picture_and_a_mask(
         (["--mask", "m.png"], "--mask needs --image"),
         (["--strength", "0.5"], "--strength needs --image"),
         (["--image", "missing.png"], "cannot read --image"),
-        (["--image", "notes.txt"], "--image"),
-        (["--image", "in.png", "--mask", "small.png"], "--mask"),
+        (["--image", "notes.txt"], "is not an image (PNG, JPEG or WebP)"),
+        (["--image", "in.png", "--mask", "small.png"], "mask is 16x16 but the image is 32x32"),
         (["--image", "in.png", "--strength", "1.5"], "strength must be a number in (0, 1]"),
     ],
 )

@@ -163,3 +163,26 @@ def test_the_readme_serve_example_waits_for_ready() -> None:
     assert lines[0].endswith("&")
     assert "/ready" in lines[1] and lines[1].startswith("$ until curl")
     assert "/v1/images/generations" in lines[2]
+
+
+def test_every_serve_setting_is_in_the_configuration_table_with_its_default() -> None:
+    """docs/operations.md's configuration table names every ServeConfig field (the
+    ``[engine]`` table is EngineConfig's, documented apart), each flag, and for the number
+    settings the default the code has."""
+    import dataclasses
+
+    from omni_trio.serve.config import FLAGS, ServeConfig
+
+    text = _read("docs/operations.md")
+    section = text[text.index("## Configuration") : text.index("### Scaling throughput")]
+    rows = {m[1]: m[0] for m in re.finditer(r"^\| `\[?([a-z_]+)\]?`[^\n]*", section, re.M)}
+    defaults = ServeConfig()
+    for field in dataclasses.fields(ServeConfig):
+        if field.name == "engine":
+            continue
+        assert field.name in rows, f"{field.name} is not in the configuration table"
+        value = getattr(defaults, field.name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            cell = rows[field.name].split("|")[3].strip().strip("`")
+            assert float(cell) == value, (field.name, cell, value)
+    assert [flag.option for flag in FLAGS if flag.option not in section] == []

@@ -217,6 +217,22 @@ class _Entry:
     admission: int = -1
 
 
+def _picture_size(
+    picture: tuple[int, int], height: int | None, width: int | None
+) -> tuple[int, int]:
+    """A picture-conditioned request's size: what it gives, the other side following the
+    picture's aspect ratio, or the picture's own; each rounded down to a multiple of 8."""
+    image_width, image_height = picture
+    if height is None and width is None:
+        return image_height // 8 * 8, image_width // 8 * 8
+    if height is None:
+        assert width is not None
+        return max(8, round(image_height * width / image_width) // 8 * 8), width
+    if width is None:
+        return height, max(8, round(image_width * height / image_height) // 8 * 8)
+    return height, width
+
+
 class EngineCore:
     """The engine's one lifecycle owner; see the module docstring for its events.
 
@@ -481,11 +497,20 @@ class EngineCore:
             info.check_extra_args(sp.extra_args)
             info.check_conditioning(sp)
             height, width = sp.height, sp.width
-            if sp.image is not None:  # the picture's own size, rounded down to a multiple of 8
-                image_width, image_height = image_size(sp.image) or (0, 0)
-                height = height if height is not None else image_height // 8 * 8
-                width = width if width is not None else image_width // 8 * 8
-            height, width = info.resolve_size(height, width)
+            picture = image_size(sp.image) if sp.image is not None else None
+            derived = picture is not None and (height is None or width is None)
+            if picture is not None:
+                height, width = _picture_size(picture, height, width)
+            try:
+                height, width = info.resolve_size(height, width)
+            except InvalidRequestError as exc:
+                if not derived or picture is None:
+                    raise
+                raise InvalidRequestError(
+                    f"{exc} (the size comes from the image, {picture[0]}x{picture[1]}: pass "
+                    "height and width, the image is resized to them)",
+                    param="image",
+                ) from None
             if height != sp.height:
                 changes["height"] = height
             if width != sp.width:

@@ -61,7 +61,9 @@ class SamplingParams:
     ``image`` (a PIL image, or an ``(H, W)``/``(H, W, C)`` uint8 array with C of 1, 3 or 4)
     makes the request image-to-image; with ``mask_image`` too (same size; white, or 255, marks
     what to repaint) it is inpainting.  The picture is resized to the request's size, which
-    defaults to the picture's own (rounded down to a multiple of 8).  ``strength`` (in
+    defaults to the picture's own (rounded down to a multiple of 8; one side given, the other
+    follows the picture's aspect ratio).  The engine makes it a loaded RGB image (the mask L)
+    at admission (:mod:`omni_trio.runtime.pictures`).  ``strength`` (in
     ``(0, 1]``, default 0.8 for image-to-image and 1.0 for inpainting, as in diffusers) is how
     much noise is added to it: the request runs ``int(num_inference_steps * strength)`` of
     its steps.  Images are compared by identity (``==`` on two params ignores them).
@@ -140,6 +142,9 @@ class RequestLimits:
     """Hard limits applied by :func:`validate_request` (from ``EngineConfig``)."""
 
     max_pixels: int = 4096 * 4096
+    # A picture to start from (image-to-image, inpainting), before it is resized to the
+    # request's size (which max_pixels bounds).
+    max_image_pixels: int = 4096 * 4096
     max_prompt_chars: int = 10_000
     max_steps: int = 1000
     max_outputs: int = 16
@@ -184,10 +189,10 @@ def _check_images(sp: SamplingParams, limits: RequestLimits) -> None:
     width, height = size
     if width < 8 or height < 8:
         raise _fail(f"image is {width}x{height}; both sides must be at least 8", "image")
-    if width * height > limits.max_pixels:
+    if width * height > limits.max_image_pixels:
         raise _fail(
             f"image is {width}x{height} ({width * height} pixels); "
-            f"at most {limits.max_pixels} allowed",
+            f"at most {limits.max_image_pixels} allowed",
             "image",
         )
     if sp.mask_image is not None:

@@ -186,7 +186,9 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
             sigmas_arg = (
                 list(params.sigmas) if params.sigmas is not None and timesteps_arg is None else None
             )
-            timesteps, _ = retrieve_timesteps(
+            # ``steps``: the step count asked for (PNDM's and second-order schedulers'
+            # timesteps are more than that); a picture's strength cuts it, as in diffusers.
+            timesteps, steps = retrieve_timesteps(
                 scheduler, params.num_inference_steps, device, timesteps_arg, sigmas_arg
             )
             extra: dict[str, Any] = {
@@ -204,7 +206,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
                     image=sp.image,
                     mask_image=sp.mask_image,
                     strength=sp.effective_strength,
-                    num_inference_steps=len(timesteps),
+                    num_inference_steps=int(steps),
                     height=int(params.height),
                     width=int(params.width),
                     generators=generators,

@@ -57,6 +57,7 @@ from ..errors import (
 from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
 from .calibration import calibrate
+from .pictures import canonical_pictures
 from .request_stream import OutputStreams, RequestStream
 from .rpc_queue import RpcQueue
 from .worker_group import GroupEvents, WorkerGroup
@@ -385,11 +386,14 @@ class AsyncEngine:
 
         Raises :class:`InvalidRequestError` or :class:`DuplicateRequestError` before anything
         is admitted, :class:`EngineClosedError` / :class:`EngineDeadError` if the engine no
-        longer accepts work.  A seed is chosen now if the request has none.
+        longer accepts work.  A seed is chosen now if the request has none, and a picture to
+        start from is made a loaded RGB image (its mask L) here (:mod:`.pictures`).
         """
         core = self.core
         core.check_open()
         request = core.build_request(prompt_or_request, params, request_id)
+        if request.sampling.image is not None:  # loaded RGB / L now: a bad one is the caller's
+            request = request.replace(sampling=canonical_pictures(request.sampling))
         counted = not (self._warming and request.request_id == WARMUP_REQUEST_ID)
         request = core.admit(request, trio.current_time(), counted=counted)
         if core.model_info is not None and counted:

@@ -152,6 +152,9 @@ DISCONNECTED_STATUS = 499  # logs and metrics only: nobody reads it
 # framing per image.
 RESPONSE_BYTES_PER_PIXEL = 4
 RESPONSE_BYTES_PER_IMAGE = 4096
+# Uploads decoded at once: each holds a picture's pixels (up to max_upload_pixels x 4 bytes)
+# beside its body while it is decoded; the others wait their turn.
+UPLOAD_DECODERS = 2
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Engine parameter names -> API field names, for errors the engine's validation raises.
 _ENGINE_PARAMS = {
@@ -413,6 +416,8 @@ class ImagesApp:
         self.body_read_timeout_s = body_read_timeout_s
         self.send_timeout_s = send_timeout_s
         self.responses = ResponseBytes(max_response_bytes_in_flight)
+        # Uploaded pictures decoded at once (/v1/images/edits, /variations).
+        self._decoders = trio.CapacityLimiter(UPLOAD_DECODERS)
         metrics.response_bytes_in_flight.set_function(lambda: self.responses.in_flight)
         self._log: AccessLog = (
             log if callable(log) and not isinstance(log, logging.Logger) else logger_sink(log)
@@ -978,7 +983,9 @@ class ImagesApp:
             parsed = parse_edit_form(parts, limits=limits, default_model=model, variation=variation)
             return parsed, form_digest(parts)
 
-        parsed, digest = await trio.to_thread.run_sync(parse, body)
+        # Decoding holds a picture's pixels beside its body: a few at a time, not one per
+        # connection (the rest wait here, each within its own body timeout's worth of work).
+        parsed, digest = await trio.to_thread.run_sync(parse, body, limiter=self._decoders)
         del body
         if parsed.ignored_fields:
             ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))

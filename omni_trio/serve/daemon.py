@@ -635,6 +635,14 @@ class _Daemon:
                 "that authenticates.",
                 c.host,
             )
+        if not e.warmup and (e.max_request_s is not None or e.max_step_s is not None):
+            log.warning(
+                "warmup is off, so no compute budget applies (max_request_s %s, max_step_s %s "
+                "need the step time the warmup measures): any request within the size and "
+                "step limits is admitted, however long it runs",
+                e.max_request_s,
+                e.max_step_s,
+            )
 
     def _serving_status(self) -> str:
         n = self.config.replicas

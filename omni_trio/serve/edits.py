@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ _BOOL_FIELDS = frozenset({"stream"})
 # What a variation may not be sent (OpenAI's create_variation has none of them).
 _NOT_FOR_VARIATIONS = frozenset({"prompt", "stream", "partial_images", "mask"})
 _IMAGE_NAMES = ("image", "image[]")
+# What JSON would carry: no spaces, underscores, signs other than "-", "nan" or "inf".
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
+_NUMBER = re.compile(r"-?[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")
 
 
 def _bad(param: str | None, message: str, code: str) -> ApiError:
@@ -64,15 +68,13 @@ def _typed(name: str, text: str) -> Any:
             return text == "true"
         raise _bad(name, f"{name} must be true or false, got {text!r}", "invalid_type")
     if name in _INT_FIELDS:
-        try:
-            return int(text, 10)
-        except ValueError:
-            raise _bad(name, f"{name} must be an integer, got {text!r}", "invalid_type") from None
+        if _INTEGER.fullmatch(text) is None:
+            raise _bad(name, f"{name} must be an integer, got {text!r}", "invalid_type")
+        return int(text)
     if name in _NUMBER_FIELDS:
-        try:
-            value = float(text)
-        except ValueError:
-            raise _bad(name, f"{name} must be a number, got {text!r}", "invalid_type") from None
+        if _NUMBER.fullmatch(text) is None:
+            raise _bad(name, f"{name} must be a number, got {text!r}", "invalid_type")
+        value = float(text)
         if not math.isfinite(value):
             raise _bad(name, f"{name} must be a finite number", "invalid_value")
         return value
@@ -195,9 +197,8 @@ def form_digest(parts: Sequence[Part]) -> str:
     """The fingerprint of a multipart body for ``Idempotency-Key``: its fields and files in
     order, not the boundary (which a client picks anew for every send)."""
     digest = hashlib.sha256()
-    for part in parts:
-        for item in (part.name, part.filename or "", part.content_type or ""):
-            encoded = item.encode("utf-8", "surrogatepass")
-            digest.update(len(encoded).to_bytes(8, "big") + encoded)
+    for part in parts:  # a file's name and type do not count: its bytes say what it is
+        name = part.name.encode("utf-8", "surrogatepass")
+        digest.update(len(name).to_bytes(8, "big") + name)
         digest.update(len(part.data).to_bytes(8, "big") + part.data)
     return digest.hexdigest()

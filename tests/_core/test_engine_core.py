@@ -128,9 +128,16 @@ def test_a_picture_gives_its_own_size_rounded_down_to_a_multiple_of_8() -> None:
     assert (explicit.sampling.width, explicit.sampling.height) == (48, 32)
     [event] = [e for e in trace if e.kind is K.ADMIT and e.request_id == "a"]
     assert event.detail is not None and event.detail["steps"] == 5  # strength halves them
-    with pytest.raises(InvalidRequestError, match="renders sizes from") as info:
+    one_side = admit(core, "c", image=picture, width=32)  # the height follows the aspect
+    assert (one_side.sampling.width, one_side.sampling.height) == (32, 16)  # 45 * 32 / 63
+    with pytest.raises(InvalidRequestError, match=r"renders sizes from.*comes from the image"):
         admit(core, "small", image=np.zeros((9, 9, 3), np.uint8))  # 8x8 < min_side 16
-    assert info.value.param == "size"
+    with pytest.raises(InvalidRequestError) as info:
+        admit(core, "small", image=np.zeros((9, 9, 3), np.uint8))
+    assert info.value.param == "image"  # the size was the picture's, not the caller's
+    with pytest.raises(InvalidRequestError) as info:
+        admit(core, "small", image=picture, height=8, width=8)
+    assert info.value.param == "size"  # the caller's size
 
 
 def test_a_model_without_image_input_refuses_pictures_before_admission() -> None:

@@ -440,10 +440,16 @@ def test_bad_pictures_are_refused_naming_the_field(
     kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
     if "mask_image" in kwargs and "image" not in kwargs:
         kwargs["mask_image"] = _picture()
-    limits = RequestLimits(max_pixels=4096)
+    limits = RequestLimits(max_image_pixels=4096)
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
         validate_request(DiffusionRequest("p", SamplingParams(**kwargs), "r"), limits)
     assert info.value.param == param
+
+
+def test_a_picture_is_bounded_by_max_image_pixels_not_by_the_output_bound() -> None:
+    # A big photo resized to a small size is fine: max_pixels bounds the size rendered.
+    sampling = SamplingParams(image=_picture(96, 96), height=32, width=32)
+    validate_request(DiffusionRequest("p", sampling, "r"), RequestLimits(max_pixels=32 * 32))
 
 
 def test_image_size_reads_pil_and_arrays_and_nothing_else() -> None:

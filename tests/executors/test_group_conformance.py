@@ -372,9 +372,9 @@ async def test_pictures_travel_to_worker_processes_in_both_modes(
     backend: str, cache_dir: Path, step: bool
 ) -> None:
     """Image-to-image and inpainting on worker processes (builtin:shapes, whose VAE is the
-    identity): the picture and the mask reach the worker with the request, inpainting
-    gives the picture back outside the mask exactly, image-to-image gives what the same
-    request gives in this process, and a text request beside them is unaffected."""
+    identity): the picture and the mask reach the worker with the request (a big picture
+    through shared memory), inpainting gives the picture back outside the mask exactly,
+    image-to-image and a text request beside them give what they give in this process."""
     import torch
 
     from omni_trio.models import load_model
@@ -383,8 +383,9 @@ async def test_pictures_travel_to_worker_processes_in_both_modes(
     mask = np.zeros((32, 32), np.uint8)
     mask[8:24, 8:24] = 255
     common = {"num_inference_steps": 8, "output_type": "np"}
+    big = _picture(640, 4)  # 1.2 MB: over the shared-memory threshold, resized to 32x32
     requests = {
-        "image": SamplingParams(image=picture, strength=0.6, seed=1, **common),
+        "image": SamplingParams(image=big, strength=0.6, seed=1, height=32, width=32, **common),
         "inpaint": SamplingParams(image=picture, mask_image=mask, strength=0.8, seed=2, **common),
         "text": SamplingParams(seed=3, **common),
     }
@@ -414,11 +415,17 @@ async def test_pictures_travel_to_worker_processes_in_both_modes(
         options={},
     )
     try:
-        req = DiffusionRequest("a blue square", requests["image"], "local")
-        [[expected]] = local.generate(
-            [req], [torch.Generator().manual_seed(1)], output_type="np", on_step=lambda s, t: None
-        )
+        expected = {}
+        for name, seed in (("image", 1), ("text", 3)):
+            req = DiffusionRequest("a blue square", requests[name], name)
+            [[expected[name]]] = local.generate(
+                [req],
+                [torch.Generator().manual_seed(seed)],
+                output_type="np",
+                on_step=lambda s, t: None,
+            )
     finally:
         local.close()
-    np.testing.assert_allclose(results["image"].images[0], expected, atol=1e-4)
-    assert float(np.abs(results["text"].images[0] - expected).mean()) > 0.05
+    for name in ("image", "text"):
+        np.testing.assert_allclose(results[name].images[0], expected[name], atol=1e-4)
+    assert float(np.abs(expected["text"] - expected["image"]).mean()) > 0.05

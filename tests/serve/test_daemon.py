@@ -595,6 +595,8 @@ def test_exposed_without_key_warns(start_daemon: Callable[..., Daemon]) -> None:
     daemon.signal(signal.SIGTERM)
     assert daemon.wait_exit() == EXIT_OK
     assert "WITHOUT an API key" in daemon.stderr
+    # --no-warmup measures no step time: the compute budget cannot apply, and it says so.
+    assert "warmup is off, so no compute budget applies" in daemon.stderr
 
 
 # -- the shutdown bound -------------------------------------------------------------------------

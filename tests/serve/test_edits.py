@@ -183,6 +183,16 @@ def test_a_variation_has_no_prompt_and_refuses_edit_fields() -> None:
             "invalid_type",
         ),
         (
+            [file_part("image", png()), text_part("prompt", "p"), text_part("n", "1_0")],
+            "n",
+            "invalid_type",
+        ),
+        (
+            [file_part("image", png()), text_part("prompt", "p"), text_part("strength", " .5")],
+            "strength",
+            "invalid_type",
+        ),
+        (
             [file_part("image", png()), text_part("prompt", "p"), text_part("strength", "0")],
             "strength",
             "invalid_value",
@@ -190,7 +200,7 @@ def test_a_variation_has_no_prompt_and_refuses_edit_fields() -> None:
         (
             [file_part("image", png()), text_part("prompt", "p"), text_part("strength", "nan")],
             "strength",
-            "invalid_value",
+            "invalid_type",
         ),
         (
             [file_part("image", png()), text_part("prompt", "p"), text_part("stream", "yes")],
@@ -230,6 +240,8 @@ def test_bad_forms_are_400s_naming_the_field(parts: list[Part], param: str, code
 def test_the_idempotency_digest_reads_the_content_not_the_boundary() -> None:
     a = [file_part("image", png()), text_part("prompt", "p")]
     assert form_digest(a) == form_digest(list(a))
+    renamed = [Part("image", png(), "other.png", "application/octet-stream"), a[1]]
+    assert form_digest(a) == form_digest(renamed)  # the bytes say what the file is
     assert form_digest(a) != form_digest(
         [file_part("image", png(seed=1)), text_part("prompt", "p")]
     )
@@ -381,6 +393,28 @@ async def test_hostile_multipart_bodies_get_envelopes_and_the_server_stays_healt
             assert (await client.get("/health")).status_code == 200
     assert [rec["status"] for rec in server.records][-1] == 200
     assert not [rec for rec in server.records if rec["status"] >= 500]
+
+
+async def test_a_big_picture_renders_at_a_smaller_size_asked_for() -> None:
+    # The picture is bounded by max_upload_pixels (and the engine's max_image_pixels), the
+    # size rendered by max_pixels: a 96x96 photo edited at 32x32 is fine where 96x96 is not.
+    limits = ServeLimits(max_pixels=32 * 32)
+    with trio.fail_after(CAP_S):
+        async with run_server(limits=limits, max_pixels=32 * 32) as server, server.client() as c:
+            r = await c.post(
+                EDITS,
+                files={"image": ("in.png", png(96, 96), "image/png")},
+                data={"prompt": "p", "size": "32x32", "num_inference_steps": "2"},
+            )
+            too_big = await c.post(
+                EDITS,
+                files={"image": ("in.png", png(96, 96), "image/png")},
+                data={"prompt": "p", "num_inference_steps": "2"},
+            )
+    assert r.status_code == 200, r.text
+    image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+    assert image.size == (32, 32)
+    assert_envelope(too_big, 400, param="size")
 
 
 async def test_an_idempotent_edit_runs_once_for_two_sends() -> None:
