@@ -15,6 +15,7 @@ from omni_trio.testing.faults import Fault, FaultSpec
 from omni_trio.testing.machine import (
     BENIGN_FAULTS,
     FAILING_FAULTS,
+    CampaignStats,
     MachineOptions,
     _fault_fires,
     engine_config_for,
@@ -96,3 +97,90 @@ def test_ray_engine_keeps_its_invariants(mode: str, ray_cluster: Any, cache_dir:
     stats = run_engine_machine(options, budget)
     assert stats.examples >= 1 and stats.rules >= 1 and stats.engines >= 1
     assert stats.invariant_checks >= stats.examples
+
+
+# -- the identity oracle ------------------------------------------------------------------------
+
+
+def _echo_output(
+    rid: str,
+    drawn: int,
+    *,
+    images: list[tuple[str, int, int]] | None = None,
+    reported: Any = ...,  # the seed the output reports (default: the one drawn)
+) -> Any:
+    """A completed output whose images are echo images of ``(request id, seed, index)``."""
+    import numpy as np
+
+    from omni_trio._core.lifecycle import RequestStatus
+    from omni_trio._core.messages import DiffusionOutput
+    from omni_trio.models.echo import encode_echo_header
+
+    pictures = []
+    for owner, seed, index in images if images is not None else [(rid, drawn, 0)]:
+        values = np.zeros((32, 32, 3), np.float32)
+        encode_echo_header(values, owner, seed, index)
+        pictures.append(values)
+    seed = drawn if reported is ... else reported
+    return DiffusionOutput(rid, RequestStatus.FINISHED_COMPLETED, images=tuple(pictures), seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (_echo_output("a", 0, images=[("b", 0, 0)]), "is the image of request 'b'"),
+        (_echo_output("a", 0, images=[("a", 7, 0)]), "drawn from seed 7; it asked for 0"),
+        (_echo_output("a", 0, reported=7), "reports seed 7; it asked for 0"),
+        (_echo_output("a", 0, reported=None), "reports no seed"),
+        (_echo_output("a", 0, images=[("a", 0, 1), ("a", 0, 0)]), "is output 1 of its request"),
+        (_echo_output("a", 0, images=[]), "0 images delivered; it asked for 1"),
+    ],
+)
+def test_the_identity_oracle_reads_each_image_against_what_was_asked(
+    output: Any, message: str
+) -> None:
+    from omni_trio.testing.machine import identity_violations
+
+    assert identity_violations("a", 0, 1, [_echo_output("a", 0)]) == []
+    found = identity_violations(
+        "a", 0, 1 if message != "is output 1 of its request" else 2, [output]
+    )
+    assert found and all(v.invariant == "INV-5" for v in found)
+    assert any(message in v.message for v in found), [v.message for v in found]
+
+
+def test_the_machine_catches_an_explicit_seed_0_replaced_at_admission(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    """A planted bug the trace-only checker missed (the trace records the replaced seed):
+    admission treats seed 0 as "no seed".  The identity oracle compares with the seed the
+    machine asked for."""
+    from hypothesis import Phase
+
+    from omni_trio._core.engine_core import EngineCore
+    from omni_trio.testing.invariants import InvariantViolation
+
+    real = EngineCore._resolve_defaults
+
+    def falsy_seed(self: EngineCore, request: Any) -> Any:  # the mutant
+        if request.sampling.seed == 0:
+            request = request.replace(sampling=request.sampling.replace(seed=None))
+        return real(self, request)
+
+    monkeypatch.setattr(EngineCore, "_resolve_defaults", falsy_seed)
+    options = MachineOptions(
+        backend="inproc", cache_dir=str(cache_dir), faults=(), crash_rule=False, close_rule=False
+    )
+    budget = settings(
+        max_examples=40,
+        stateful_step_count=10,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],  # found, not shrunk: bounded
+        suppress_health_check=list(HealthCheck),
+    )
+    stats = CampaignStats()
+    with pytest.raises(InvariantViolation, match="it asked for 0"):
+        run_engine_machine(options, budget, stats=stats)
+    assert stats.requests, stats
