@@ -1,7 +1,7 @@
 """``bench recovery``: how fast a supervised engine serves again after a worker fails, and
 whether it loses anything when workers are killed again and again under load.
 
-Issues #5 and #19's measurement, two parts (``--parts``, default both):
+Issues #5, #19 and #22's measurements, four parts (``--parts``, default recovery,soak):
 
 recovery  For each backend of ``--backends`` (``tractor``; ``tractor,ray`` side by side) and
           each fault of ``--faults`` (default all three), ``--repeats`` times: ``--clients``
@@ -24,24 +24,44 @@ soak      ``--soak-s`` (60) seconds of the same load on ``tractor``, the worker 
           attempts, quarantined (``RequestFailedError.quarantined``); any other outcome, a
           request that never ends, a shared-memory segment or a worker process left behind
           counts as lost.  Reported: requests completed / retried / failed / lost, restarts.
+poison    ``--poison-s`` (60) seconds of bystander load while one request every
+          ``--poison-every-s`` (1) seconds crashes the worker it runs on (model option
+          ``fault_crash_on_prompt``).  Target: every poison request quarantined, bystander
+          success rate >= 0.99, the engine alive at the end.
+slow-clients
+          A real ``omni-trio serve`` process (``builtin:echo``, inproc) and ``--slow-clients``
+          (500) connections that each POST a 256x256 ``b64_json`` generation with a 4 KiB
+          receive buffer and never read; after ``--slow-s`` (15) seconds a SIGTERM with them
+          still connected.  The daemon runs with ``--max-response-bytes-in-flight`` 64 MiB
+          (each answer reserves 260 KiB at admission: ~252 fit), ``--max-queue-len`` = the
+          clients (the queue never refuses first), ``--send-timeout`` 60 s (longer than the
+          hold: nobody is dropped before the SIGTERM) and ``--drain-timeout`` 5 s.  Each
+          reader's answer is peeked, never read: 200 started, 429 ``response_memory_full``,
+          429 ``queue_full``, other, none yet.  Targets: the bound fires (>0
+          ``response_memory_full``); the daemon's RSS growth <= the response bound + 192 KiB
+          per connected client (docs/operations.md); readers still stalled at the SIGTERM;
+          SIGTERM to exit <= ``shutdown_bound_s`` (drain + engine close + grace), exit code 0;
+          no process of the daemon left.  ``--quick``: 30 readers, a 2 MiB bound (7 answers),
+          a 2 s drain, a 3 s hold.
 
 ``--start-method`` (``trio`` default, or ``forkserver``) is the tractor engine's
 ``worker_start_method``: how a restarted worker process is started.
 
-Both parts use ``max_retries_on_worker_failure=1`` and the default restart backoff
-(``worker_restart_backoff_s``, 0.05 s doubling per restart in the window) with an intensity
-limit high enough for the soak; every other setting is the default (``close_timeout_s`` 30 s
-included: a failed group is killed, never waited for).  The recovery part uses a 1 s restart
-window and waits 1 s before each fault, so every measured fault is an isolated failure
-(backoff 0.05 s), not one whose backoff grew with the faults before it; the soak keeps the
-default 60 s window.  The lifecycle traces are also checked with the invariant checker
-(violations reported).  ``results["recovery"]`` keeps the first backend's ``kill`` figures;
+The engine parts (recovery, soak, poison) use ``max_retries_on_worker_failure=1`` and the
+default restart backoff (``worker_restart_backoff_s``, 0.05 s doubling per restart in the
+window) with an intensity limit high enough for the soak; every other setting is the default
+(``close_timeout_s`` 30 s included: a failed group is killed, never waited for).  The recovery
+part uses a 1 s restart window and waits 1 s before each fault, so every measured fault is an
+isolated failure (backoff 0.05 s), not one whose backoff grew with the faults before it; the
+soak keeps the default 60 s window.  The lifecycle traces are also checked with the invariant
+checker (violations reported).  ``results["recovery"]`` keeps the first backend's ``kill`` figures;
 ``results["recovery_by_fault"]`` has every backend and fault.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,13 +90,23 @@ HANG_STALL_S = 1.0
 RPC_TIMEOUT_S = 1.0
 COLUMNS = ["part", "figure", "n", "median", "min", "max", "target", "met"]
 PARTS = ("recovery", "soak", "poison", "slow-clients")
-# The slow-client part: the daemon's settings it runs with, the answer each stalled reader
-# asks for (an echo image, base64 PNG, ~250 KB), and how much RSS may grow beyond the
-# response-memory bound (the Python heap, hypercorn's per-connection state).
+# The slow-client part (issue #22: "500 stalled readers: RSS growth bounded by the configured
+# buffer limit, SIGTERM exits within drain + grace").  Each reader asks for one SLOW_SIZE
+# square echo image as base64 PNG, whose answer the daemon reserves at admission
+# (n * w * h * 4 + 4 KiB: serve.app's estimate, 260 KiB here), so the response bound admits
+# about SLOW_RESPONSE_BYTES // 260 KiB of them (~252) and answers the rest 429
+# response_memory_full; max_queue_len is the number of clients, so the queue never refuses
+# first.  The send timeout is longer than the hold, so the admitted readers are still
+# stalled, their answers unsent, when the SIGTERM comes.
 SLOW_DRAIN_S = 5.0
-SLOW_SEND_TIMEOUT_S = 5.0
+SLOW_SEND_TIMEOUT_S = 60.0
 SLOW_RESPONSE_BYTES = 64 * 2**20
-SLOW_SIZE = "256x256"
+SLOW_SIZE = 256
+# --quick: 30 readers against a bound of 7 answers, a 2 s drain, a 3 s hold.
+SLOW_QUICK_CLIENTS = 30
+SLOW_QUICK_RESPONSE_BYTES = 2 * 2**20
+SLOW_QUICK_DRAIN_S = 2.0
+SLOW_QUICK_HOLD_S = 3.0
 # What each open connection may hold beyond the response bound (hypercorn's protocol state,
 # the request, the decoded images before they are encoded): docs/operations.md states it.
 SLOW_PER_CONNECTION_BYTES = 192 * 2**10
@@ -120,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parts",
         type=_parts,
         default=("recovery", "soak"),
-        help="recovery, soak and/or poison (default recovery,soak)",
+        help="recovery, soak, poison and/or slow-clients (default recovery,soak)",
     )
     parser.add_argument(
         "--backends",
@@ -151,13 +181,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slow-clients",
         type=int,
         default=500,
-        help="slow-clients part: connections that send a generation and never read",
+        help="slow-clients part: connections that each send a generation and never read "
+        "the answer; max_queue_len is set to this, so the response bound is what refuses "
+        f"(--quick: {SLOW_QUICK_CLIENTS})",
     )
     parser.add_argument(
         "--slow-s",
         type=_positive_float,
         default=15.0,
-        help="slow-clients part: how long the stalled readers hold on before the SIGTERM",
+        help="slow-clients part: how long the stalled readers hold on before the SIGTERM; "
+        f"the daemon's send timeout is the larger of {SLOW_SEND_TIMEOUT_S:g} s and 4x this, "
+        f"so they are still stalled then (--quick: {SLOW_QUICK_HOLD_S:g})",
     )
     parser.add_argument(
         "--poison-every-s",
@@ -625,9 +659,75 @@ def _rss_bytes(pid: int) -> int:
     return total
 
 
-async def _stalled_reader(port: int, body: bytes, opened: list[int]) -> None:
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[:1] != [b"Z"]
+
+
+def _metric(text: str, name: str) -> float | None:
+    """The value of sample ``name`` (labels included, as written) in a Prometheus text
+    exposition, or None when it is absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            try:
+                return float(line.split()[-1])
+            except ValueError:
+                return None
+    return None
+
+
+@dataclass
+class _Readers:
+    """What each stalled reader has seen of its answer, by reader index (``states``):
+    ``connecting``; ``refused`` (no connection, or the request could not be sent);
+    ``waiting`` (sent, no answer yet: admitted and not finished, or not yet admitted);
+    ``started`` (a 200's head arrived: its answer is being sent and is never read);
+    ``response_memory_full`` or ``queue_full`` (a 429 with that code); ``other <status>``;
+    ``closed`` (the server closed the connection without an answer)."""
+
+    states: list[str]
+
+    def count(self, *states: str) -> int:
+        return sum(1 for s in self.states if s in states)
+
+    @property
+    def connected(self) -> int:
+        return len(self.states) - self.count("connecting", "refused")
+
+
+async def _peek_answer(sock: trio.socket.SocketType) -> str:
+    """The kind of the answer arriving on ``sock`` (a :class:`_Readers` state), read with
+    ``MSG_PEEK`` so that nothing is taken from the receive buffer: a 200 stays unread and
+    the server keeps what does not fit.  Waits for the answer's first bytes."""
+    status = b""
+    for _ in range(40):  # an error's body: at most 2 s for its code to arrive
+        try:
+            seen = await sock.recv(4096, trio.socket.MSG_PEEK)
+        except OSError:
+            return "closed"
+        if not seen:
+            return "closed"
+        if len(seen) >= 12:
+            status = seen[9:12]
+            if status == b"200":
+                return "started"
+            for code in ("response_memory_full", "queue_full"):
+                if code.encode() in seen:
+                    return code
+            if len(seen) >= 4096:
+                break
+        await trio.sleep(0.05)  # the peeked bytes are still there: wait for more
+    return f"other {status.decode('ascii', 'replace') or '?'}"
+
+
+async def _stalled_reader(port: int, body: bytes, readers: _Readers, index: int) -> None:
     """One connection that sends a generation and never reads its answer (a 4 KiB receive
-    buffer, so the answer stays on the server's side); held until cancelled."""
+    buffer, so the answer stays on the server's side); records in ``readers`` what it got
+    (peeked, never read) and holds the connection until cancelled."""
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
     try:
@@ -635,6 +735,7 @@ async def _stalled_reader(port: int, body: bytes, opened: list[int]) -> None:
         stream = trio.SocketStream(sock)
     except OSError:
         sock.close()
+        readers.states[index] = "refused"
         return
     async with stream:
         head = (
@@ -644,111 +745,242 @@ async def _stalled_reader(port: int, body: bytes, opened: list[int]) -> None:
         try:
             await stream.send_all(head + body)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
+            readers.states[index] = "refused"
             return
-        opened[0] += 1
+        readers.states[index] = "waiting"
+        readers.states[index] = await _peek_answer(sock)
         await trio.sleep_forever()
+
+
+@dataclass
+class _DaemonWatch:
+    """What is sampled of the daemon while the stalled readers hold on: its RSS (with its
+    descendants'), every descendant seen, and from ``/metrics`` the response bytes in
+    flight, the open connections and the clients dropped by the send deadline."""
+
+    rss_peak: int = 0
+    descendants: set[int] = field(default_factory=set)
+    in_flight_peak: float = 0.0
+    connections: float | None = None
+    send_timeouts: float | None = None
+    scrapes_failed: int = 0
+
+    def sample_process(self, pid: int) -> None:
+        from ..serve.daemon import descendant_pids
+
+        self.rss_peak = max(self.rss_peak, _rss_bytes(pid))
+        self.descendants.update(descendant_pids(pid))
+
+    async def scrape(self, client: Any) -> None:
+        import httpx
+
+        try:
+            text = (await client.get("/metrics", timeout=2.0)).text
+        except httpx.HTTPError:
+            self.scrapes_failed += 1
+            return
+        held = _metric(text, "omni_trio_response_bytes_in_flight")
+        self.in_flight_peak = max(self.in_flight_peak, held or 0.0)
+        self.connections = _metric(text, "omni_trio_connections")
+        dropped = _metric(text, 'omni_trio_slow_clients_total{reason="send_timeout"}')
+        self.send_timeouts = dropped or 0.0
 
 
 async def _slow_clients_part(args: argparse.Namespace, report: Report, bar: Progress) -> None:
     """A real ``omni-trio serve`` process; ``--slow-clients`` connections each ask for an
-    image and never read it, for ``--slow-s``; then SIGTERM with them still connected.
-    Measured: the daemon's RSS growth against its response-memory bound, and how long the
-    SIGTERM took against the daemon's own shutdown bound."""
+    image and never read it, for ``--slow-s``; then SIGTERM with them still connected and
+    their answers unsent (the send timeout is longer than the hold).
+
+    The daemon admits as many generations as its response bound holds (``max_queue_len`` is
+    the number of clients, so the queue is not what refuses); each reader's answer is
+    classified by peeking at it (200 started, 429 ``response_memory_full``, 429
+    ``queue_full``, other, none yet).  Measured: the daemon's RSS growth against the
+    response bound + :data:`SLOW_PER_CONNECTION_BYTES` per connected client
+    (docs/operations.md), the peak of ``omni_trio_response_bytes_in_flight``, how long the
+    SIGTERM took against the daemon's own :func:`~omni_trio.serve.daemon.shutdown_bound_s`,
+    the exit code, and whether any process of the daemon is left."""
     import json
     import socket
     import sys
+    import tempfile
 
     import httpx
 
+    from ..serve.app import RESPONSE_BYTES_PER_IMAGE, RESPONSE_BYTES_PER_PIXEL
     from ..serve.config import ServeConfig
     from ..serve.daemon import shutdown_bound_s
 
-    clients = 50 if args.quick else args.slow_clients
-    hold = 3.0 if args.quick else args.slow_s
+    clients = SLOW_QUICK_CLIENTS if args.quick else args.slow_clients
+    hold = SLOW_QUICK_HOLD_S if args.quick else args.slow_s
+    drain = SLOW_QUICK_DRAIN_S if args.quick else SLOW_DRAIN_S
+    response_bytes = SLOW_QUICK_RESPONSE_BYTES if args.quick else SLOW_RESPONSE_BYTES
+    # Longer than the hold, so that every admitted reader is still stalled at the SIGTERM.
+    send_timeout = max(SLOW_SEND_TIMEOUT_S, 4 * hold)
+    queue_len = max(clients, 1)
+    estimate = SLOW_SIZE * SLOW_SIZE * RESPONSE_BYTES_PER_PIXEL + RESPONSE_BYTES_PER_IMAGE
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     flags = [
         "serve", "--port", str(port), "--model", "builtin:echo",
-        "--drain-timeout", str(SLOW_DRAIN_S), "--send-timeout", str(SLOW_SEND_TIMEOUT_S),
-        "--max-response-bytes-in-flight", str(SLOW_RESPONSE_BYTES),
-        "--threads", str(args.torch_threads),
+        "--drain-timeout", str(drain), "--send-timeout", str(send_timeout),
+        "--max-response-bytes-in-flight", str(response_bytes),
+        "--max-queue-len", str(queue_len), "--threads", str(args.torch_threads),
     ]  # fmt: skip
+    if args.cache_dir:
+        flags += ["--cache-dir", str(args.cache_dir)]
     config = ServeConfig(
-        drain_timeout_s=SLOW_DRAIN_S,
-        send_timeout_s=SLOW_SEND_TIMEOUT_S,
-        max_response_bytes_in_flight=SLOW_RESPONSE_BYTES,
+        drain_timeout_s=drain,
+        send_timeout_s=send_timeout,
+        max_response_bytes_in_flight=response_bytes,
+        max_queue_len=queue_len,
     )
     bound = shutdown_bound_s(config)
     code = "import sys; from omni_trio.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, "-c", code, *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    body = json.dumps(
-        {"prompt": "x", "size": SLOW_SIZE, "response_format": "b64_json", "num_inference_steps": 2}
-    ).encode()
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            with trio.fail_after(120):
-                while True:
-                    try:
-                        if (await client.get("/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.2)
-            ok = await client.post(
-                "/v1/images/generations", content=body, headers={"content-type": "application/json"}
-            )
-            ok.raise_for_status()
-        baseline = peak = _rss_bytes(proc.pid)
-        opened = [0]
-        async with trio.open_nursery() as nursery:
-            for _ in range(clients):
-                nursery.start_soon(_stalled_reader, port, body, opened)
-            end = trio.current_time() + hold
-            while trio.current_time() < end:
-                peak = max(peak, _rss_bytes(proc.pid))
-                bar.advance()
-                await trio.sleep(0.25)
-            signalled = time.perf_counter()
-            proc.send_signal(signal.SIGTERM)
-            with trio.move_on_after(bound + 30):
-                while proc.poll() is None:
-                    peak = max(peak, _rss_bytes(proc.pid))
-                    await trio.sleep(0.05)
-            took = time.perf_counter() - signalled
-            nursery.cancel_scope.cancel()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        await proc.wait()
-    growth = peak - baseline
-    allowance = SLOW_PER_CONNECTION_BYTES * max(opened[0], 1)
-    limit = SLOW_RESPONSE_BYTES + allowance
+    with tempfile.TemporaryFile() as log:  # the daemon's log, shown when it fails
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-c", code, *flags], stdout=subprocess.DEVNULL, stderr=log
+        )
+        body = json.dumps(
+            {
+                "prompt": "x",
+                "size": f"{SLOW_SIZE}x{SLOW_SIZE}",
+                "response_format": "b64_json",
+                "num_inference_steps": 2,
+            }
+        ).encode()
+        readers = _Readers(["connecting"] * clients)
+        watch = _DaemonWatch()
+        at_sigterm: dict[str, int] = {}
+        took = float("nan")
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                with trio.fail_after(120):
+                    while True:
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"the daemon exited at start ({proc.returncode})")
+                        try:
+                            if (await client.get("/ready")).status_code == 200:
+                                break
+                        except httpx.TransportError:
+                            pass
+                        await trio.sleep(0.2)
+                ok = await client.post(
+                    "/v1/images/generations",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                ok.raise_for_status()
+                answer_bytes = len(ok.content)
+                baseline = _rss_bytes(proc.pid)
+                watch.rss_peak = baseline
+                async with trio.open_nursery() as nursery:
+                    for index in range(clients):
+                        nursery.start_soon(_stalled_reader, port, body, readers, index)
+                    end = trio.current_time() + hold
+                    while trio.current_time() < end:
+                        watch.sample_process(proc.pid)
+                        await watch.scrape(client)
+                        bar.advance()
+                        await trio.sleep(0.25)
+                    await watch.scrape(client)
+                    watch.sample_process(proc.pid)
+                    at_sigterm = {s: readers.count(s) for s in set(readers.states)}
+                    signalled = time.perf_counter()
+                    proc.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(bound + 30):
+                        while proc.poll() is None:
+                            watch.sample_process(proc.pid)
+                            await trio.sleep(0.05)
+                    took = time.perf_counter() - signalled
+                    nursery.cancel_scope.cancel()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            await proc.wait()
+        await trio.sleep(0.2)  # an orphan's exit, if one is still on its way out
+        left = sorted(p for p in watch.descendants if _alive(p))
+        for p in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        log.seek(0)
+        log_tail = log.read().decode("utf-8", "replace").splitlines()[-5:]
+
+    growth = watch.rss_peak - baseline
+    connected = readers.connected
+    allowance = SLOW_PER_CONNECTION_BYTES * max(connected, 1)
+    limit = response_bytes + allowance
+    started = at_sigterm.get("started", 0)
+    waiting = at_sigterm.get("waiting", 0)
+    memory_full = at_sigterm.get("response_memory_full", 0)
+    queue_full = at_sigterm.get("queue_full", 0)
+    other = sum(n for s, n in at_sigterm.items() if s.startswith("other") or s == "closed")
+    send_timeouts = int(watch.send_timeouts or 0)
+    exit_code = proc.returncode
+    targets = {
+        "response_bound_fired": memory_full > 0,
+        "rss_growth_within_bound": growth <= limit,
+        "stalled_at_sigterm": started + waiting > 0 and send_timeouts == 0,
+        "sigterm_within_bound": took <= bound and exit_code == 0,
+        "exit_code_0": exit_code == 0,
+        "no_process_left": not left,
+    }
     report.results["slow_clients"] = {
-        "clients": clients, "connected": opened[0], "hold_s": hold,
-        "rss_baseline_mib": round(baseline / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1),
+        "clients": clients, "connected": connected, "hold_s": hold,
+        "rss_baseline_mib": round(baseline / 2**20, 1),
+        "rss_peak_mib": round(watch.rss_peak / 2**20, 1),
         "rss_growth_mib": round(growth / 2**20, 1), "sigterm_s": round(took, 2),
-        "shutdown_bound_s": bound, "exit_code": proc.returncode,
+        "shutdown_bound_s": bound, "exit_code": exit_code,
+        # The daemon's settings, and what each answer reserves.
+        "size": f"{SLOW_SIZE}x{SLOW_SIZE}", "drain_timeout_s": drain,
+        "send_timeout_s": send_timeout, "max_queue_len": queue_len,
+        "response_bound_mib": round(response_bytes / 2**20, 1),
+        "reserved_per_answer_bytes": estimate, "answer_bytes": answer_bytes,
+        # How the readers were answered (peeked, never read), as of the SIGTERM.
+        "started_200": started, "response_memory_full": memory_full,
+        "queue_full": queue_full, "other": other, "waiting_at_sigterm": waiting,
+        "stalled_at_sigterm": started + waiting, "send_timeouts_at_sigterm": send_timeouts,
+        "connections_at_sigterm": watch.connections,
+        "response_bytes_in_flight_peak_mib": round(watch.in_flight_peak / 2**20, 1),
+        "rss_limit_mib": round(limit / 2**20, 1),
+        "per_connection_kib": SLOW_PER_CONNECTION_BYTES // 2**10,
+        "rss_growth_per_connection_kib": round(
+            max(0, growth - response_bytes) / max(connected, 1) / 2**10, 1
+        ),
+        "daemon_descendants": len(watch.descendants), "processes_left": left,
+        "metrics_scrapes_failed": watch.scrapes_failed, "targets": targets,
     }  # fmt: skip
+    yes = {True: "yes", False: "NO"}
+    mib = 2**20
     rows = [
-        ("stalled readers connected", opened[0], f"{clients}", "-"),
-        ("RSS growth, MiB", round(growth / 2**20, 1),
-         f"<= {limit // 2**20} (response bound {SLOW_RESPONSE_BYTES // 2**20} "
+        ("stalled readers connected", connected, f"{clients}", "-"),
+        ("answers: 200 started (never read)", started, "-", "-"),
+        ("answers: 429 response_memory_full", memory_full, "> 0 (the bound fires)",
+         yes[targets["response_bound_fired"]]),
+        ("answers: 429 queue_full", queue_full, f"- (max_queue_len {queue_len})", "-"),
+        ("answers: other / none yet", f"{other} / {waiting}", "-", "-"),
+        ("response bytes in flight, peak MiB", round(watch.in_flight_peak / mib, 1),
+         f"~ {response_bytes // mib} (the bound)", "-"),
+        ("readers stalled at the SIGTERM (send timeouts)", f"{started + waiting} "
+         f"({send_timeouts})", "> 0 (0)", yes[targets["stalled_at_sigterm"]]),
+        ("RSS growth, MiB", round(growth / mib, 1),
+         f"<= {limit / mib:.1f} (response bound {response_bytes / mib:g} "
          f"+ {SLOW_PER_CONNECTION_BYTES // 2**10} KiB x connections)",
-         "yes" if growth <= limit else "NO"),
+         yes[targets["rss_growth_within_bound"]]),
         ("SIGTERM to exit, s", round(took, 2), f"<= {bound:g} (drain + close + grace)",
-         "yes" if took <= bound and proc.returncode == 0 else "NO"),
-        ("exit code", proc.returncode, "0", "yes" if proc.returncode == 0 else "NO"),
+         yes[targets["sigterm_within_bound"]]),
+        ("exit code", exit_code, "0", yes[targets["exit_code_0"]]),
+        ("daemon processes left", len(left), "0", yes[targets["no_process_left"]]),
     ]  # fmt: skip
     for figure, value, target, met in rows:
         report.rows.append(
             {"part": "slow-clients", "figure": figure, "n": 1, "median": value, "min": "-",
              "max": "-", "target": target, "met": met}
         )  # fmt: skip
+    if exit_code != 0 or left:
+        report.notes.extend(f"slow-clients: daemon log: {line}" for line in log_tail)
+    if left:
+        report.notes.append(f"slow-clients: processes left (killed now): {left}")
 
 
 def _check_trace(report: Report, trace: TraceRecorder, part: str) -> None:
@@ -787,11 +1019,12 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
     soak_kills = int((6.0 if args.quick else args.soak_s) // args.kill_every_s)
     poison_sent = int((6.0 if args.quick else args.poison_s) // args.poison_every_s) + 1
     measured = repeats * len(args.backends) * len(args.faults)
+    slow = "slow-clients" in args.parts
     total = (
         (measured if "recovery" in args.parts else 0)
         + (soak_kills if "soak" in args.parts else 0)
         + (poison_sent if "poison" in args.parts else 0)
-        + (int((3.0 if args.quick else args.slow_s) * 4) if "slow-clients" in args.parts else 0)
+        + (int((SLOW_QUICK_HOLD_S if args.quick else args.slow_s) * 4) if slow else 0)
     )
     with Progress(total, "recovery", enabled=not args.no_progress) as bar:
         if "recovery" in args.parts:

@@ -323,6 +323,9 @@ class TractorTransport(Transport):
         # The engine process owns its workers' segments: a SIGKILLed engine's leftovers are
         # found by this tag and swept by the next start (sweep_orphans).
         self._owner = owner_tag()
+        # What the engine sends (a request's big picture) goes by shared memory under a tag
+        # of its own, so what a worker never decoded (it died first) is swept with the group.
+        self._encoder: Any = None
         # This group's own tractor registry (arbiter) address, chosen when ``open`` starts:
         # a free loopback port, never tractor's global default 1616, so two engines in one
         # host (or one process) never join each other's tree.
@@ -332,6 +335,11 @@ class TractorTransport(Transport):
 
     def shm_tag(self, rank: int) -> str:
         return f"{self._owner}w{rank}{self._tag}"
+
+    @property
+    def sent_shm_tag(self) -> str:
+        """The tag of the segments the engine creates for what it sends to the workers."""
+        return f"{self._owner}e{self._tag}"
 
     @asynccontextmanager
     async def open(
@@ -422,11 +430,15 @@ class TractorTransport(Transport):
                 # The workers are down; now die of the SIGTERM as asked.
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
-            # Every worker process is gone: unlink what they created and nobody received.
+            # Every worker process is gone: unlink what they created and nobody received,
+            # and what this engine sent them that they never decoded.
             for rank in range(self._world_size):
                 swept = SegmentRegistry(self.shm_tag(rank)).sweep()
                 if swept:
                     log.info("unlinked %d shared-memory segment(s) of worker %d", len(swept), rank)
+            unread = SegmentRegistry(self.sent_shm_tag).sweep()
+            if unread:
+                log.info("unlinked %d shared-memory segment(s) sent and never read", len(unread))
 
     async def _warm_fork_server(self, start_method: str) -> None:
         from tractor import _spawn
@@ -615,15 +627,18 @@ class TractorTransport(Transport):
         return None
 
     def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
-        from ..ipc import encode
+        from ..ipc import Encoder, discard_message
 
         link = self._links.get(rank)
         if link is None:
             return
+        if self._encoder is None:
+            self._encoder = Encoder(registry=SegmentRegistry(self.sent_shm_tag))
+        data = self._encoder.encode(message)
         try:
-            link.outbox.send_nowait(encode(message))
+            link.outbox.send_nowait(data)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+            discard_message(data)  # never sent: nobody will decode (and unlink) it
 
     def kill(self, rank: int) -> None:
         link = self._links.get(rank)

@@ -24,6 +24,7 @@ from .shm import pack_array as pack_array
 from .shm import pack_image as pack_image
 from .shm import pack_tensor as pack_tensor
 from .shm import payload_nbytes as payload_nbytes
+from .shm import segments_of_this_process as segments_of_this_process
 from .shm import sweep_orphans as sweep_orphans
 from .shm import sweep_segments as sweep_segments
 from .shm import unlink_segment as unlink_segment
@@ -48,6 +49,7 @@ __all__ = [
     "pack_tensor",
     "payload_nbytes",
     "owner_tag",
+    "segments_of_this_process",
     "sweep_orphans",
     "sweep_segments",
     "unlink_segment",

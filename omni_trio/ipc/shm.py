@@ -273,6 +273,19 @@ def owner_tag(pid: int | None = None) -> str:
     return f"o{pid}x{_start_ticks(pid) or 0}"
 
 
+def segments_of_this_process() -> list[str]:
+    """Our segments that may belong to this process: those under its :func:`owner_tag`, and
+    those with no owner tag at all (which nothing can attribute); never another live or
+    dead process's.  What a leak check of this process's engines counts, so that another
+    engine on the machine cannot fail it."""
+    mine = SHM_PREFIX + owner_tag()
+    return [
+        name
+        for name in list_our_segments()
+        if name.startswith(mine) or _OWNER_RE.match(name, len(SHM_PREFIX)) is None
+    ]
+
+
 def sweep_orphans() -> list[str]:
     """Unlink every segment whose tag starts with an :func:`owner_tag` of a process that is
     gone (or whose pid now belongs to a process started at another time): what a crashed or

@@ -1296,6 +1296,7 @@ class ImagesApp:
                     data.append({"url": url, "revised_prompt": None})
                 else:
                     data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
+                del blob  # the loop variable would keep the last image's bytes alive
             del encoded
             total_ms = (time.perf_counter() - ex.start) * 1000.0
             body = images_response(
@@ -1311,7 +1312,9 @@ class ImagesApp:
             del data
             self.metrics.observe_generation(final.metrics, total_ms, len(body["data"]))
             payload = _json_bytes(body)
-            del body  # while the answer is written, only its bytes are held
+            # While the answer is written only its bytes are held: not the JSON tree, and
+            # not the decoded images (a stalled reader would keep them for its send timeout).
+            del body, final
         if self._keeps_answers(ex):
             ex.answer = payload
         await self._send_bytes(ex, send, 200, payload, "application/json", reservation=reservation)

@@ -39,7 +39,7 @@ from .._core.request import DiffusionRequest, SamplingParams
 from .._core.trace import TraceKind, TraceRecorder
 from ..config import EngineConfig
 from ..errors import OmniTrioError, WorkerError
-from ..ipc import list_our_segments
+from ..ipc import segments_of_this_process
 from ..runtime.engine import AsyncEngine, open_engine
 
 __all__ = ["ConsumerRecord", "EngineDriver", "leftover_resources", "run_driven"]
@@ -111,7 +111,8 @@ def leftover_resources() -> dict[str, list[Any]]:
     ]
     return {
         "threads": threads,
-        "shm_segments": list(list_our_segments()),
+        # Only this process's (and untagged ones): another engine on the machine is not ours.
+        "shm_segments": segments_of_this_process(),
         "processes": _worker_processes(),
     }
 
@@ -313,7 +314,7 @@ class EngineDriver:
                         workers = {}
                     for kind, ids in workers.items():
                         held.setdefault(kind, set()).update(ids)
-                held["shm_segments"] = set(list_our_segments())
+                held["shm_segments"] = set(segments_of_this_process())
                 return held
             return None
 

@@ -429,3 +429,34 @@ async def test_pictures_travel_to_worker_processes_in_both_modes(
     for name in ("image", "text"):
         np.testing.assert_allclose(results[name].images[0], expected[name], atol=1e-4)
     assert float(np.abs(expected["text"] - expected["image"]).mean()) > 0.05
+
+
+async def test_what_the_engine_sent_and_no_worker_read_is_unlinked_with_the_group(
+    cache_dir: Path,
+) -> None:
+    """tractor: what the engine sends through shared memory (a request's big picture) carries
+    the group's own tag; a segment a worker never decoded (it died first) is unlinked when
+    the group ends, and a message that could not be sent is discarded at once."""
+    from omni_trio.executors.tractor_executor import TractorTransport
+    from omni_trio.ipc import SegmentRegistry, discard, list_our_segments, pack_array
+
+    with trio.fail_after(CAP_S):
+        async with engine_on("tractor", cache_dir) as engine:
+            transport = group(engine).transport
+            assert isinstance(transport, TractorTransport)
+            tag = transport.sent_shm_tag
+            assert tag.startswith(transport.shm_tag(0).split("w", 1)[0])  # the owner's tag
+            # As if a message went out and its worker died before reading it.
+            unread = pack_array(np.ones(400_000), registry=SegmentRegistry(tag))
+            assert not isinstance(unread, np.ndarray) and unread.name in list_our_segments()
+            # A big picture really travels (decoded and unlinked by the worker).
+            big = SamplingParams(
+                image=_picture(640, 5), num_inference_steps=2, seed=1, height=32, width=32
+            )
+            assert (await engine.generate("p", big)).ok
+            assert [n for n in list_our_segments() if tag in n] == [unread.name]
+    try:
+        assert unread.name not in list_our_segments()
+    finally:
+        if unread.name in list_our_segments():
+            discard(unread)

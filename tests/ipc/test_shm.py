@@ -26,6 +26,7 @@ from omni_trio.ipc import (
     pack_image,
     pack_tensor,
     payload_nbytes,
+    segments_of_this_process,
     sweep_orphans,
     sweep_segments,
     unlink_segment,
@@ -347,6 +348,21 @@ def test_sweep_orphans_unlinks_the_segments_of_dead_owners_only() -> None:
         assert sweep_orphans() == []
     finally:
         for handle in (mine, untagged):
+            discard(handle)
+
+
+def test_a_leak_check_counts_this_processs_segments_and_untagged_ones_only() -> None:
+    """Another engine on the machine (another owner tag, live or dead) never counts as ours;
+    a segment nothing can attribute (no owner tag) does."""
+    mine = to_shm(torch.ones(2), registry=SegmentRegistry(f"{owner_tag()}e0ab"))
+    other = to_shm(torch.ones(2), registry=SegmentRegistry(f"{owner_tag(os.getppid())}w0ab"))
+    untagged = to_shm(torch.ones(2))
+    try:
+        ours = set(segments_of_this_process())
+        assert {mine.name, untagged.name} <= ours
+        assert other.name not in ours and other.name in set(list_our_segments())
+    finally:
+        for handle in (mine, other, untagged):
             discard(handle)
 
 
