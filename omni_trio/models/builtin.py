@@ -27,9 +27,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from ..errors import InvalidConfigError
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -215,6 +218,34 @@ def _fsync_tree(root: Path) -> None:
                 os.close(fd)
 
 
+# How long a worker that is not rank 0 of its torch.distributed group waits for rank 0 to build
+# a built-in (a build takes about a second; a loaded machine, or a slow disk, longer).
+BUILD_WAIT_S = 300.0
+
+
+def _distributed_rank() -> int | None:
+    """This process's rank in an initialised torch.distributed group, else None."""
+    import torch
+
+    distributed = getattr(torch, "distributed", None)
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return None
+    return int(distributed.get_rank())
+
+
+def _wait_for_build(target: Path) -> Path:
+    deadline = time.monotonic() + BUILD_WAIT_S
+    while not (target / MARKER).is_file():
+        if time.monotonic() > deadline:
+            raise InvalidConfigError(
+                f"rank {_distributed_rank()} waited {BUILD_WAIT_S:g} s for rank 0 to build "
+                f"{target.name} in {str(target.parent)!r}; it never appeared",
+                field="cache_dir",
+            )
+        time.sleep(0.05)
+    return target
+
+
 def ensure_builtin(name: str, cache_dir: Path) -> Path:
     """Return the directory of the diffusers built-in ``name``, building it if missing.
 
@@ -228,6 +259,10 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
     target = builtin_dir(name, cache_dir)
     if (target / MARKER).is_file():
         return target
+    if _distributed_rank() not in (None, 0):
+        # transformers writes a model's weights on rank 0 of an initialised torch.distributed
+        # group only: a copy saved here would lack them.  Rank 0 builds it; wait for it.
+        return _wait_for_build(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:

@@ -1262,12 +1262,15 @@ class ImagesApp:
                 image_index=index,
             )
 
-        return await trio.to_thread.run_sync(
+        started = time.perf_counter()
+        encoded = await trio.to_thread.run_sync(
             lambda: [
                 encode_image(image, fmt, quality, metadata=recipe(image, index))
                 for index, image in enumerate(images)
             ]
         )
+        self.metrics.observe_encode(time.perf_counter() - started)
+        return encoded
 
     async def _generate_json(
         self,

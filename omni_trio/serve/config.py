@@ -166,6 +166,10 @@ class ServeConfig:
     # Refuse (503 + Retry-After) a generation whose estimated queue wait, at the measured
     # service rate, exceeds this (None: only its own timeout is checked).
     max_queue_wait_s: float | None = None
+    # A generation admitted while every replica's worker group is restarting waits in the
+    # queue at most this long for its replica to be ready, then gets 503 + Retry-After
+    # (unless its own timeout is shorter).
+    restart_wait_s: float = 60.0
     # Idempotency-Key: how long after a request ended a resubmission with its key replays
     # its answer, and the bytes of answers kept for that (past it the oldest are dropped).
     idempotency_ttl_s: float = 3600.0
@@ -227,6 +231,7 @@ class ServeConfig:
         _check_int("max_queue_len", self.max_queue_len, minimum=1)
         if self.max_queue_wait_s is not None:
             _check_float("max_queue_wait_s", self.max_queue_wait_s, positive=True)
+        _check_float("restart_wait_s", self.restart_wait_s, positive=True)
         _check_float("idempotency_ttl_s", self.idempotency_ttl_s, positive=True)
         _check_int("idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
         _check_int("max_body_bytes", self.max_body_bytes, minimum=1)
@@ -275,6 +280,7 @@ class ServeConfig:
         object.__setattr__(self, "engine", engine)
         for name in (
             "drain_timeout_s",
+            "restart_wait_s",
             "url_ttl_s",
             "keep_alive_timeout_s",
             "body_read_timeout_s",
@@ -631,6 +637,14 @@ FLAGS: tuple[Flag, ...] = (
         ("max_queue_wait_s",),
         "refuse (503 + Retry-After) a generation whose estimated queue wait at the measured "
         "service rate exceeds S seconds (default: only its own timeout is checked)",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--restart-wait",
+        ("restart_wait_s",),
+        "seconds a generation admitted while every replica restarts waits for one to be "
+        "ready before 503 + Retry-After (default 60)",
         type=float,
         metavar="S",
     ),

@@ -537,6 +537,7 @@ class _Daemon:
                 replicas=c.replicas,
                 max_queue_len=c.max_queue_len,
                 max_queue_wait_s=c.max_queue_wait_s,
+                restart_wait_s=c.restart_wait_s,
             )
             app = self._build_app(pool)
             self.max_connections, warning = fit_connection_cap(c.max_connections)

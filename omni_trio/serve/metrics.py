@@ -11,6 +11,9 @@ Counted by the app as requests end::
     omni_trio_queue_wait_seconds                histograms of completed generations' phases
     omni_trio_execution_seconds                 (engine queue wait, engine execution, and the
     omni_trio_end_to_end_seconds                server's total from request to response)
+    omni_trio_step_seconds                      the median denoising step of each (request mode)
+    omni_trio_packing_seconds                   its output packing (postprocess, D2H, shm)
+    omni_trio_encode_seconds                    the server encoding its images (PNG/JPEG/WebP)
 
 Set by the HTTP server and the app as they go::
 
@@ -32,6 +35,14 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_engine_state{replica}             0 dead/failed, 1 starting/restarting, 2 ready
     omni_trio_worker_restarts_total{replica}    worker-group restarts inside the replica
     omni_trio_replica_restarts_total{replica}   replica reopens by the pool supervisor
+    omni_trio_requests_requeued_total{replica}  requests run again after a worker-group failure
+    omni_trio_requests_finished_total{replica,status}  requests ended: completed, aborted, error
+    omni_trio_packing{replica}                  requests computed and still being packed
+    omni_trio_worker_state{replica,worker,state}  1 for each worker's current state (starting,
+                                                running, restarting, failed, stopped, ...)
+
+``supervisors/grafana-dashboard.json`` charts these; a test checks that each of its queries
+names a metric this module exports.
 """
 
 from __future__ import annotations
@@ -84,12 +95,39 @@ class _PoolCollector(Collector):
             "Replica reopens by the pool supervisor",
             labels=["replica"],
         )
+        requeued = CounterMetricFamily(
+            "omni_trio_requests_requeued",
+            "Requests run again after a worker-group failure, per replica engine",
+            labels=["replica"],
+        )
+        finished = CounterMetricFamily(
+            "omni_trio_requests_finished",
+            "Requests ended in each replica's engine, by status",
+            labels=["replica", "status"],
+        )
+        packing = GaugeMetricFamily(
+            "omni_trio_packing",
+            "Requests computed whose outputs are still being packed",
+            labels=["replica"],
+        )
+        workers = GaugeMetricFamily(
+            "omni_trio_worker_state",
+            "1 for each worker's current state",
+            labels=["replica", "worker", "state"],
+        )
         for replica in info:
             label = [str(replica["index"])]
             stats = replica["statistics"]
             if stats is not None:
                 waiting += stats["waiting"]
                 running += stats["running"]
+                requeued.add_metric(label, stats.get("requeued", 0))
+                packing.add_metric(label, stats.get("packing", 0))
+                for status in ("completed", "aborted", "error"):
+                    finished.add_metric([*label, status], stats.get(f"finished_{status}", 0))
+                for worker in stats.get("workers", ()):
+                    status = str(worker["state"])
+                    workers.add_metric([*label, str(worker["rank"]), status], 1)
             ready += bool(replica["healthy"])
             state.add_metric(label, ENGINE_STATE_VALUES.get(replica["state"], 0))
             worker_restarts.add_metric(label, replica["worker_restarts"])
@@ -112,6 +150,10 @@ class _PoolCollector(Collector):
         yield state
         yield worker_restarts
         yield replica_restarts
+        yield requeued
+        yield finished
+        yield packing
+        yield workers
 
 
 class ServeMetrics:
@@ -148,6 +190,24 @@ class ServeMetrics:
         self.end_to_end = Histogram(
             "omni_trio_end_to_end_seconds",
             "Server time from request to response of completed generations",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "omni_trio_step_seconds",
+            "Median denoising step time of completed generations (request mode)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.packing = Histogram(
+            "omni_trio_packing_seconds",
+            "Output packing time of completed generations (postprocess, D2H, shared memory)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encode = Histogram(
+            "omni_trio_encode_seconds",
+            "Time the server spent encoding a generation's images (PNG, JPEG, WebP)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -190,6 +250,13 @@ class ServeMetrics:
         self.queue_wait.observe(metrics.queue_wait_ms / 1000.0)
         self.execution.observe(metrics.execution_ms / 1000.0)
         self.end_to_end.observe(total_ms / 1000.0)
+        if metrics.step_ms is not None:
+            self.step.observe(metrics.step_ms / 1000.0)
+        self.packing.observe(metrics.postprocess_ms / 1000.0)
+
+    def observe_encode(self, seconds: float) -> None:
+        """A generation's images encoded for its answer."""
+        self.encode.observe(seconds)
 
     def render(self) -> bytes:
         """The text exposition of every metric (content type :data:`CONTENT_TYPE`)."""

@@ -22,6 +22,12 @@ owner, ``"{public id}@{owner}"`` otherwise -- so two owners may use the same pub
 every lookup (:meth:`~EnginePool.abort`, :meth:`~EnginePool.progress`,
 :meth:`~EnginePool.status`) by another owner finds nothing, as if the id did not exist.
 
+Restarts queue, within a bound: while no replica is ready, a request is admitted on one whose
+worker group is restarting and waits in that engine's queue.  It waits at most
+``restart_wait_s`` (default :data:`DEFAULT_RESTART_WAIT_S`) for its replica to become ready;
+past it the pool aborts it with :data:`RESTART_WAIT_REASON` (HTTP 503 ``aborted`` +
+``Retry-After``), unless its own timeout is shorter (then that ends it, 504).
+
 Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
 
     QueueFullError    in-flight requests reached max_queue_len (HTTP 429)
@@ -70,7 +76,9 @@ from ..runtime.request_stream import RequestStream
 from ..supervisor import ChildSpec, ChildState, RestartPolicy, Strategy, Supervisor, SupervisorEvent
 
 __all__ = [
+    "DEFAULT_RESTART_WAIT_S",
     "FINISHED_IDS_KEPT",
+    "RESTART_WAIT_REASON",
     "DrainingError",
     "EnginePool",
     "NotReadyError",
@@ -88,6 +96,14 @@ RATE_WINDOW_S = 60.0
 # Retry-After (seconds) without a measured rate, and its bounds with one.
 DEFAULT_RETRY_AFTER_S = 2
 MAX_RETRY_AFTER_S = 60
+# The longest a request admitted during a worker restart waits for its replica to be ready.
+DEFAULT_RESTART_WAIT_S = 60.0
+# The abort reason of a request whose restart wait ran out (PooledStream.abort_reason, the
+# omni_trio_aborts_total label, the 503's message).
+RESTART_WAIT_REASON = "no replica became ready within restart_wait_s"
+# How often a replica that requests wait for is checked for being ready again (its engine
+# has no event for it); the wait's own end is exact.
+RESTART_POLL_S = 0.1
 
 
 class QueueFullError(OmniTrioError):
@@ -297,8 +313,10 @@ class EnginePool:
 
     ``max_queue_len`` bounds the requests in flight across the pool (queued and running).
     ``restart_policy`` rate-limits replica restarts (default ``RestartPolicy()``: 5 restarts
-    in 60 s).  ``trace_factory(index)``, if given, makes the trace recorder for each new
-    engine of replica ``index``.  Everything but :meth:`serve` and :meth:`wait_idle` is
+    in 60 s).  ``restart_wait_s`` bounds how long a request admitted while every replica is
+    restarting waits for its replica to be ready (None: only its own timeout bounds it).
+    ``trace_factory(index)``, if given, makes the trace recorder for each new engine of
+    replica ``index``.  Everything but :meth:`serve` and :meth:`wait_idle` is
     synchronous and never checkpoints; all of it runs on the trio thread that serves.
     """
 
@@ -309,6 +327,7 @@ class EnginePool:
         replicas: int = 1,
         max_queue_len: int = 64,
         max_queue_wait_s: float | None = None,
+        restart_wait_s: float | None = DEFAULT_RESTART_WAIT_S,
         restart_policy: RestartPolicy | None = None,
         trace_factory: Callable[[int], TraceRecorder | None] | None = None,
     ) -> None:
@@ -342,8 +361,18 @@ class EnginePool:
                 f"got {max_queue_wait_s!r}",
                 field="max_queue_wait_s",
             )
+        if restart_wait_s is not None and (
+            isinstance(restart_wait_s, bool)
+            or not isinstance(restart_wait_s, int | float)
+            or not 0 < restart_wait_s < float("inf")
+        ):
+            raise InvalidConfigError(
+                f"restart_wait_s must be a number of seconds > 0 or None, got {restart_wait_s!r}",
+                field="restart_wait_s",
+            )
         self.engine_config = engine_config
         self.replicas = replicas
+        self.restart_wait_s = restart_wait_s
         self.max_queue_len = max_queue_len
         self.max_queue_wait_s = max_queue_wait_s
         self._service = ServiceRate()
@@ -361,6 +390,11 @@ class EnginePool:
         self._supervisor: Supervisor | None = None
         self._idle = trio.Event()
         self._idle.set()
+        # Engine id -> (when its wait ends, its stream) of every request admitted on a
+        # restarting replica whose replica has not been ready since.  Invariant: each is
+        # also in _active (released streams leave both).
+        self._restart_waits: dict[str, tuple[float, PooledStream]] = {}
+        self._restart_wake = trio.Event()  # set when a wait is added
 
     # -- running ---------------------------------------------------------------------------
 
@@ -390,14 +424,22 @@ class EnginePool:
         )
         relay = cast(TaskStatus[Any], _StartedAs(task_status, self))
         self._serving = True
+        error: Exception | None = None
         try:
-            await self._supervisor.serve(task_status=relay)
-        except Exception as exc:
-            self._dead = exc
-            raise
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._serve_restart_waits)
+                try:
+                    await self._supervisor.serve(task_status=relay)
+                except Exception as exc:  # raised below, unwrapped by the nursery
+                    error = exc
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             self._serving = False
             self._stopped = True
+        if error is not None:
+            self._dead = error
+            raise error
 
     async def _serve_replica(self, replica: _Replica, *, task_status: TaskStatus[Any]) -> None:
         """The supervised child: one open engine.  Returns never; raises
@@ -415,6 +457,28 @@ class EnginePool:
                 replica.past_worker_restarts += engine.health().restarts
         replica.last_failure = health.reason
         raise EngineDeadError(f"replica {replica.index}: engine {health.state}: {health.reason}")
+
+    async def _serve_restart_waits(self) -> None:
+        """End the restart waits (see :meth:`submit`): a request whose replica is ready
+        again stops waiting; one still waiting when its ``restart_wait_s`` is over is
+        aborted with :data:`RESTART_WAIT_REASON`, at that time exactly.  Runs until
+        cancelled; checks its replicas every :data:`RESTART_POLL_S` while any request waits."""
+        while True:
+            if not self._restart_waits:
+                self._restart_wake = trio.Event()
+                await self._restart_wake.wait()
+                continue
+            now = trio.current_time()
+            for rid, (until, stream) in list(self._restart_waits.items()):
+                engine = self._replicas[stream.replica].engine
+                if engine is not None and engine.health().healthy:
+                    del self._restart_waits[rid]  # its replica is ready: it waits no more
+                elif now >= until:
+                    del self._restart_waits[rid]
+                    self._abort(stream, RESTART_WAIT_REASON)
+            if self._restart_waits:
+                until = min(until for until, _ in self._restart_waits.values())
+                await trio.sleep_until(min(until, now + RESTART_POLL_S))
 
     def _on_event(self, event: SupervisorEvent) -> None:
         if event.kind == "failed" and event.error is not None:
@@ -437,8 +501,9 @@ class EnginePool:
 
     def _admitting_replicas(self) -> list[_Replica]:
         """The ready replicas; without any, those whose worker group is restarting: their
-        engine queues what it is given and runs it on the new group (bounded by the
-        request's own timeout), which beats a 503 for a restart of a second or two."""
+        engine queues what it is given and runs it on the new group (bounded by
+        ``restart_wait_s`` and the request's own timeout), which beats a 503 for a restart
+        of a second or two."""
         ready = self._ready_replicas()
         if ready:
             return ready
@@ -458,8 +523,10 @@ class EnginePool:
     ) -> Submission:
         """Admit ``owner``'s request on the least-loaded ready replica (no checkpoint); while
         none is ready, on one whose worker group is restarting (it waits in that engine's
-        queue).  ``request_id`` is the public id (default: a generated one); the engine runs
-        it as :func:`engine_request_id` ``(request_id, owner)``.
+        queue, at most ``restart_wait_s`` for the replica to be ready, else it is aborted
+        with :data:`RESTART_WAIT_REASON`; not so bounded when its own ``deadline_s`` is not
+        longer: that ends it first).  ``request_id`` is the public id (default: a generated
+        one); the engine runs it as :func:`engine_request_id` ``(request_id, owner)``.
 
         Load is the replica's requests in flight through the pool (each of its waiting and
         running requests has one open stream); ties go to the lowest index.  Raises
@@ -485,9 +552,18 @@ class EnginePool:
             raise NotReadyError(self.readiness()[1] or "no replica is ready")
         replica = min(admitting, key=lambda r: (r.in_flight, r.index))
         assert replica.engine is not None
+        restarting = not replica.engine.health().healthy
         inner = replica.engine.stream(prompt, params, request_id=rid)
         stream = PooledStream(inner, replica.index, self._release, public_id=public, owner=owner)
         self._active[rid] = stream
+        wait = self.restart_wait_s
+        if (
+            restarting
+            and wait is not None
+            and (params.deadline_s is None or params.deadline_s > wait)
+        ):
+            self._restart_waits[rid] = (trio.current_time() + wait, stream)
+            self._restart_wake.set()
         self._finished.pop((owner, public), None)
         replica.in_flight += 1
         if self._idle.is_set():
@@ -544,6 +620,7 @@ class EnginePool:
         if stream.completed:
             self._service.record(trio.current_time())
         del self._active[rid]
+        self._restart_waits.pop(rid, None)
         self._replicas[stream.replica].in_flight -= 1
         key = (stream.owner, stream.public_id)
         self._finished[key] = None

@@ -144,6 +144,30 @@ def test_actor_env_never_carries_a_secret() -> None:
     assert env["OMNI_TRIO_CACHE"] == "/c"
 
 
+@pytest.mark.slow
+async def test_a_real_actors_environment_holds_no_secret(
+    ray_cluster: Any, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's API key and hub token never reach a worker actor started through the
+    engine: its process environment, as the kernel shows it, has neither, though it has
+    the engine's harmless settings (forwarded through the actor's runtime_env)."""
+    secrets_env = {"OMNI_TRIO_API_KEY": "sk-daemon", "HF_TOKEN": "hf_x"}
+    for name, value in secrets_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMNI_TRIO_HARMLESS", "1")
+    with trio.fail_after(CAP_S):
+        async with engine_on("ray", cache_dir) as engine:
+            (pid,) = ray_executor(engine).worker_pids().values()
+            assert (await engine.collective_rpc("ping"))["pid"] == pid  # the actor's own
+            raw = await trio.Path(f"/proc/{pid}/environ").read_bytes()
+    env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    leaked = set(secrets_env) & {name.decode() for name in env}
+    assert not leaked, leaked
+    assert not any(value.encode() in raw for value in secrets_env.values())
+    assert env.get(b"OMNI_TRIO_HARMLESS") == b"1"
+    assert {name: os.environ[name] for name in secrets_env} == secrets_env  # the driver's own
+
+
 @pytest.mark.parametrize(
     ("address", "loopback"),
     [
@@ -202,6 +226,12 @@ async def main():
         out = await engine.generate("p", SamplingParams(num_inference_steps=2, seed=5))
         context = ray.get_runtime_context()
         owner = [t.name for t in threading.enumerate() if t.name == "omni-trio-ray-owner"]
+        # The local Ray started with this process's environment, secrets included: none
+        # may reach a worker actor (through Ray's own processes or the actor's runtime_env).
+        (pid,) = engine.executor.worker_pids().values()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            actor_env = {item.split(b"=", 1)[0].decode() for item in f.read().split(b"\\0")}
+        secrets = sorted({"OMNI_TRIO_API_KEY", "HF_TOKEN"} & actor_env)
         print(json.dumps({
             "ok": out.ok,
             "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
@@ -210,6 +240,9 @@ async def main():
             "workers": list(engine.executor.worker_nodes().values()),
             "env": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
             "owner": owner,
+            "actor_secrets": secrets,
+            "inherited": "ZZ_OMNI_PLAIN" in actor_env,  # through Ray's processes, not ours
+            "driver_secrets": sorted({"OMNI_TRIO_API_KEY", "HF_TOKEN"} & set(os.environ)),
             "alive": ray.is_initialized() and all(n["Alive"] for n in ray.nodes()),
         }))
     ray.shutdown()
@@ -226,11 +259,14 @@ def test_a_local_ray_started_by_the_engine_stays_on_loopback(
     """No Ray initialised, no address: the executor starts a local Ray whose node, GCS and
     workers all report 127.0.0.1 (Ray would otherwise use the machine's network address).
     It is started from a thread that lives as long as Ray (Ray's processes die with the
-    thread that started them): it outlives every trio worker thread and serves after."""
+    thread that started them): it outlives every trio worker thread and serves after.  The
+    process's API key and hub token, in its environment when Ray starts, reach no actor."""
     script = tmp_path / "local_ray.py"
     script.write_text(textwrap.dedent(_LOCAL_RAY))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_TMPDIR"] = "/tmp"
+    env.update(OMNI_TRIO_API_KEY="sk-daemon", HF_TOKEN="hf_x")  # the daemon's secrets
+    env["ZZ_OMNI_PLAIN"] = "1"  # not forwarded by actor_env: only Ray's processes pass it on
     done = subprocess.run(
         [sys.executable, str(script), str(cache_dir)],
         capture_output=True,
@@ -247,6 +283,8 @@ def test_a_local_ray_started_by_the_engine_stays_on_loopback(
     assert report["workers"] == ["127.0.0.1"]
     assert report["env"] == "0"
     assert report["owner"] == ["omni-trio-ray-owner"] and report["alive"] is True
+    assert report["actor_secrets"] == [] and report["inherited"] is True
+    assert report["driver_secrets"] == ["HF_TOKEN", "OMNI_TRIO_API_KEY"]  # put back after
     assert "still exist" not in done.stderr  # close found every actor process gone
 
 

@@ -571,22 +571,44 @@ async def test_a_start_sweeps_what_a_sigkilled_engine_left_in_shared_memory(
             assert all(t.startswith(owner_tag()) for t in tags)
 
 
+def _stop_the_fork_server() -> None:
+    """Stop this process's fork server, if one runs (the next forkserver engine starts a
+    fresh one, from the environment of that moment)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
 async def test_workers_never_inherit_a_secret(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, start_method: str
 ) -> None:
     """The daemon's API key and hub tokens stay in the engine process: a worker process's
-    environment (as the kernel shows it) has none, and the engine's own is untouched."""
+    environment (as the kernel shows it) has none, and the engine's own is untouched.
+    Under ``forkserver`` the fork server is started by this engine, with the secrets set
+    (not reused from an earlier test): its environment, every forked worker's, has none
+    either."""
     secrets_env = {"OMNI_TRIO_API_KEY": "sk-daemon", "HF_TOKEN": "hf_x", "MY_DB_PASSWORD": "p"}
     for name, value in secrets_env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("OMNI_TRIO_HARMLESS", "1")
+    if start_method == "forkserver":
+        _stop_the_fork_server()
     with trio.fail_after(CAP_S):
-        async with engine_on("tractor", cache_dir, worker_start_method="trio") as engine:
+        async with engine_on("tractor", cache_dir, worker_start_method=start_method) as engine:
             (pid,) = engine.executor.worker_pids().values()  # type: ignore[attr-defined]
-            raw = await trio.Path(f"/proc/{pid}/environ").read_bytes()
-    names = {item.split(b"=", 1)[0].decode() for item in raw.split(b"\0") if item}
-    assert not set(secrets_env) & names, names
-    assert "OMNI_TRIO_HARMLESS" in names
+            pids = [pid]
+            if start_method == "forkserver":
+                stat = _stat(pid)
+                assert stat is not None and _is_fork_server(stat[1]), stat
+                pids.append(stat[1])  # the fork server that forked it
+            raws = [await trio.Path(f"/proc/{p}/environ").read_bytes() for p in pids]
+    for raw in raws:
+        names = {item.split(b"=", 1)[0].decode() for item in raw.split(b"\0") if item}
+        assert not set(secrets_env) & names, set(secrets_env) & names
+        assert "OMNI_TRIO_HARMLESS" in names
     assert {name: os.environ[name] for name in secrets_env} == secrets_env
 
 

@@ -114,3 +114,41 @@ def test_shapes_ships_small_safetensors_in_the_package() -> None:
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     assert size < 20 * 2**20, size
     assert "shapes" not in builtin._DIFFUSERS_BUILTINS  # never built, never cached
+
+
+def test_a_worker_not_rank_0_waits_for_rank_0s_build_and_writes_nothing(
+    tmp_path: Path, model_cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers saves weights on rank 0 of an initialised torch.distributed group only
+    (a CFG-parallel pair's second worker built a copy without its text encoder's weights,
+    which could win the rename and break the cache for good): the other ranks wait."""
+    import shutil
+    import threading
+
+    import torch
+
+    from omni_trio.errors import InvalidConfigError
+    from omni_trio.models import builtin
+
+    built = builtin.ensure_builtin("tiny-sd", model_cache_dir)  # what rank 0 makes
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    cache = tmp_path / "cache"
+    target = builtin.builtin_dir("tiny-sd", cache)
+
+    def rank_0_finishes() -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(built, target.parent / "staged")
+        (target.parent / "staged").rename(target)
+
+    timer = threading.Timer(0.2, rank_0_finishes)
+    timer.start()
+    try:
+        assert builtin.ensure_builtin("tiny-sd", cache) == target
+    finally:
+        timer.join()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing of ours
+    monkeypatch.setattr(builtin, "BUILD_WAIT_S", 0.1)
+    with pytest.raises(InvalidConfigError, match=r"waited 0\.1 s for rank 0") as info:
+        builtin.ensure_builtin("tiny-sd", tmp_path / "never")
+    assert info.value.field == "cache_dir"

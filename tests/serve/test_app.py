@@ -10,6 +10,8 @@ import base64
 import io
 import json
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -1009,6 +1011,62 @@ async def test_a_request_during_a_worker_restart_waits_for_the_new_group() -> No
             assert r.status_code == 200, r.text
             assert decode_b64(r.json()["data"][0]["b64_json"])[1][0] == "during"
             assert server.engine().health().restarts == 1
+
+
+async def test_a_request_posted_while_a_killed_tractor_worker_restarts_gets_200() -> None:
+    """A real restart: the tractor worker process is SIGKILLed; a generation posted while
+    its group restarts (within the 1 s backoff) waits in the queue and is served by the new
+    worker, not answered 503."""
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(
+                backend="tractor", worker_start_method="forkserver", worker_restart_backoff_s=1.0
+            ) as server,
+            server.client() as client,
+        ):
+            executor = server.engine().executor
+            (pid,) = executor.worker_pids().values()  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGKILL)
+            await wait_until(lambda: server.engine().health().state == "restarting")
+            posted = trio.current_time()
+            r = await generate(client, headers={"X-Request-Id": "during"})
+            waited = trio.current_time() - posted
+            assert r.status_code == 200, r.text
+            assert decode_b64(r.json()["data"][0]["b64_json"])[1][0] == "during"
+            health = server.engine().health()
+            assert health.restarts == 1 and health.healthy
+            assert health.last_failure is not None and f"process {pid}" in health.last_failure
+            (new_pid,) = server.engine().executor.worker_pids().values()  # type: ignore[attr-defined]
+            assert new_pid != pid
+            # It was admitted during the restart, not after it: it waited for the new group.
+            assert r.json()["metrics"]["queue_wait_ms"] > 300, r.json()["metrics"]
+            assert waited < 10.0
+
+
+async def test_a_restart_longer_than_restart_wait_s_is_a_503_with_retry_after() -> None:
+    """The only replica's worker group stays down (a 30 s backoff): a generation admitted
+    meanwhile waits ``restart_wait_s`` (0.5 s here), then gets a retryable 503 with
+    ``Retry-After``; one whose own timeout is shorter gets its 504 first."""
+    with trio.fail_after(CAP_S):
+        async with (
+            run_server(worker_restart_backoff_s=30.0, worker_restart_backoff_max_s=30.0) as server,
+            server.client() as client,
+        ):
+            server.pool.restart_wait_s = 0.5
+            server.engine().executor.fail(WorkerError("killed by the test"))
+            await wait_until(lambda: server.engine().health().state == "restarting")
+            posted = trio.current_time()
+            r = await generate(client, headers={"X-Request-Id": "waits"})
+            waited = trio.current_time() - posted
+            error = assert_envelope(r, 503, code="aborted")
+            assert "restart_wait_s" in error["message"], error
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.headers.get("x-should-retry") != "false"  # the SDKs may retry it
+            assert 0.5 <= waited < 5.0, waited
+            short = await generate(client, timeout=0.2, headers={"X-Request-Id": "short"})
+            assert_envelope(short, 504, code="timeout")
+            assert server.engine().health().state == "restarting"
+            assert server.pool.in_flight == 0
 
 
 async def test_a_failed_request_is_a_500_without_internals(

@@ -40,6 +40,7 @@ def test_defaults() -> None:
     assert config.replicas == 1
     assert config.drain_timeout_s == 30.0
     assert config.max_queue_len == 64
+    assert config.restart_wait_s == 60.0
     assert config.max_body_bytes == 1_000_000
     assert config.max_prompt_chars == 4000
     assert config.max_n == 4
@@ -101,6 +102,9 @@ def test_public_url_is_checked_and_normalised() -> None:
         ("drain_timeout_s", -1.0),
         ("drain_timeout_s", float("nan")),
         ("max_queue_len", 0),
+        ("restart_wait_s", 0),
+        ("restart_wait_s", -1.0),
+        ("restart_wait_s", float("inf")),
         ("max_body_bytes", 0),
         ("max_prompt_chars", 0),
         ("max_n", 0),
@@ -179,6 +183,7 @@ host = "0.0.0.0"
 port = 9000
 replicas = 2
 drain_timeout_s = 5
+restart_wait_s = 7
 log_format = "json"
 
 [engine]
@@ -193,6 +198,7 @@ step_delay_s = 0.5
     config = ServeConfig.from_toml(path, environ={})
     assert (config.host, config.port, config.replicas) == ("0.0.0.0", 9000, 2)
     assert config.drain_timeout_s == 5.0
+    assert config.restart_wait_s == 7.0 and isinstance(config.restart_wait_s, float)
     assert config.log_format == "json"
     assert config.engine.model == "builtin:echo"
     assert config.engine.num_workers == 2
@@ -297,6 +303,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         "--api-key", "k",
         "--drain-timeout", "2.5",
         "--max-queue-len", "7",
+        "--restart-wait", "12.5",
         "--max-body-bytes", "100",
         "--max-prompt-chars", "10",
         "--max-n", "2",
@@ -334,6 +341,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
     )
     assert (config.host, config.port, config.api_key, config.replicas) == ("::1", 0, "k", 3)
     assert config.drain_timeout_s == 2.5
+    assert config.restart_wait_s == 12.5
     assert (config.max_queue_len, config.max_body_bytes, config.max_prompt_chars) == (7, 100, 10)
     assert (config.max_n, config.max_pixels, config.max_steps) == (2, 4096, 9)
     assert (config.url_ttl_s, config.url_store_max_bytes) == (60.0, 1000)

@@ -128,3 +128,80 @@ def test_a_pool_that_is_not_serving_yet_scrapes_as_starting() -> None:
     s = samples(m)
     assert s[("omni_trio_replicas_ready", ())] == 0
     assert s[("omni_trio_engine_state", (("replica", "1"),))] == 1
+
+
+def test_phase_histograms_and_encoding() -> None:
+    m = ServeMetrics()
+    m.observe_generation(
+        RequestMetrics(execution_ms=100.0, postprocess_ms=4.0, step_ms=20.0), 120.0, 1
+    )
+    m.observe_generation(RequestMetrics(execution_ms=100.0, postprocess_ms=6.0), 120.0, 1)
+    m.observe_encode(0.003)
+    s = samples(m)
+    assert s[("omni_trio_step_seconds_count", ())] == 1  # step mode times no steps: skipped
+    assert s[("omni_trio_step_seconds_sum", ())] == 0.02
+    assert s[("omni_trio_packing_seconds_count", ())] == 2
+    assert abs(s[("omni_trio_packing_seconds_sum", ())] - 0.01) < 1e-12
+    assert s[("omni_trio_encode_seconds_bucket", (("le", "0.005"),))] == 1
+
+
+def test_requeues_endings_packing_and_worker_states_per_replica() -> None:
+    stats = {
+        "waiting": 0,
+        "running": 1,
+        "requeued": 3,
+        "packing": 1,
+        "finished_completed": 7,
+        "finished_aborted": 2,
+        "finished_error": 1,
+        "workers": [{"rank": 0, "state": "running"}, {"rank": 1, "state": "restarting"}],
+    }
+    pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=1, draining=False)
+    s = samples(ServeMetrics(cast(EnginePool, pool)))
+    assert s[("omni_trio_requests_requeued_total", (("replica", "0"),))] == 3
+    assert s[("omni_trio_packing", (("replica", "0"),))] == 1
+    finished = {
+        status: s[("omni_trio_requests_finished_total", (("replica", "0"), ("status", status)))]
+        for status in ("completed", "aborted", "error")
+    }
+    assert finished == {"completed": 7, "aborted": 2, "error": 1}
+    assert s[("omni_trio_worker_state", (("replica", "0"), ("state", "running"), ("worker", "0")))]
+    key = ("omni_trio_worker_state", (("replica", "0"), ("state", "restarting"), ("worker", "1")))
+    assert s[key] == 1
+
+
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count")}
+
+
+async def test_every_dashboard_query_names_a_metric_the_server_exports() -> None:
+    """supervisors/grafana-dashboard.json, read against a real server's /metrics after a
+    generation: each metric name in each query is one the exposition has."""
+    import json
+    import re
+    from pathlib import Path
+
+    import trio
+
+    from .conftest import CAP_S, run_server
+
+    dashboard = json.loads(
+        (Path(__file__).parents[2] / "supervisors" / "grafana-dashboard.json").read_text()
+    )
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(queries) >= 20
+    with trio.fail_after(CAP_S):
+        async with run_server() as server, server.client() as client:
+            r = await client.post(
+                "/v1/images/generations",
+                json={"prompt": "p", "size": "64x64", "num_inference_steps": 3},
+            )
+            assert r.status_code == 200, r.text
+            text = (await client.get("/metrics")).text
+    exported: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        exported.add(family.name)
+        exported.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ()))
+    for query in queries:
+        names = set(re.findall(r"\bomni_trio_[a-z_]+", query))
+        assert names, query
+        assert names <= exported, (query, sorted(names - exported))

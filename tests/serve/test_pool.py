@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import omni_trio.serve.pool as pool_module
 from omni_trio import RequestStatus
@@ -38,6 +39,7 @@ from omni_trio.serve.pool import (
     new_request_id,
 )
 from omni_trio.supervisor import RestartPolicy
+from tests.fakes import ScriptedExecutor
 from tests.serve.conftest import CAP_S, STEP_DELAY_S, wait_until
 
 LONG = SamplingParams(height=64, width=64, num_inference_steps=200)  # ~4 s: aborted by tests
@@ -396,3 +398,91 @@ async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> N
             await final_of(running)
     with pytest.raises(InvalidConfigError, match="max_queue_wait_s"):
         EnginePool(echo_config(), max_queue_wait_s=0)
+
+
+# -- restarts: requests wait in the queue, at most restart_wait_s ------------------------------
+
+
+def scripted_config(backoff_s: float) -> EngineConfig:
+    """A thread-free engine (the fake backend of tests/fakes.py, forwards in virtual time)
+    whose worker group, once failed, restarts after ``backoff_s``."""
+    return EngineConfig(
+        backend=ScriptedExecutor,
+        warmup=False,
+        worker_restart_backoff_s=backoff_s,
+        worker_restart_backoff_max_s=backoff_s,
+    )
+
+
+async def fail_the_group(pool: EnginePool) -> None:
+    """Fail replica 0's worker group; return once its engine says it is restarting."""
+    engine = pool.replica_engine(0)
+    assert engine is not None
+    engine.executor.fail(WorkerError("killed by the test", worker=0))
+    while engine.health().state != "restarting":  # noqa: ASYNC110 - virtual time
+        await trio.sleep(0.001)
+
+
+async def test_a_request_admitted_during_a_restart_waits_at_most_restart_wait_s(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The group stays down (a 1000 s backoff): a request admitted meanwhile is aborted
+    exactly ``restart_wait_s`` after admission, with RESTART_WAIT_REASON; one whose own
+    timeout is shorter ends by that timeout instead, and is not marked."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=1000.0), restart_wait_s=5.0)
+        async with serving(pool):
+            await fail_the_group(pool)
+            admitted = trio.current_time()
+            waiting = pool.submit("x", SHORT, request_id="waiting")
+            short = pool.submit("x", SHORT.replace(deadline_s=2.0), request_id="short")
+            assert pool.status("waiting") == "queued"
+            out = await final_of(short)
+            assert out.error_type == "RequestTimeoutError" and short.stream.abort_reason is None
+            assert trio.current_time() - admitted == pytest.approx(2.0)
+            out = await final_of(waiting)
+            assert out.status is RequestStatus.FINISHED_ABORTED
+            assert waiting.stream.abort_reason == pool_module.RESTART_WAIT_REASON
+            assert trio.current_time() - admitted == pytest.approx(5.0)
+            assert pool.in_flight == 0 and not pool._restart_waits
+            # Still restarting: the next request gets the same bound, from its own admission.
+            again_at = trio.current_time()
+            again = pool.submit("x", SHORT, request_id="again")
+            assert (await final_of(again)).status is RequestStatus.FINISHED_ABORTED
+            assert trio.current_time() - again_at == pytest.approx(5.0)
+
+
+async def test_a_restart_within_restart_wait_s_serves_the_waiting_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The group is back after 3 s: the request admitted during the restart runs on it and
+    is never aborted, though it is still running when its 5 s wait would have ended."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=3.0), restart_wait_s=5.0)
+        async with serving(pool):
+            await fail_the_group(pool)
+            admitted = trio.current_time()
+            sub = pool.submit("x", SHORT, request_id="during")
+            out = await final_of(sub)
+            assert out.status is RequestStatus.FINISHED_COMPLETED, out
+            assert sub.stream.abort_reason is None
+            assert 3.0 <= trio.current_time() - admitted < 5.0
+            assert not pool._restart_waits
+
+
+async def test_restart_wait_none_leaves_only_the_requests_own_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=1000.0), restart_wait_s=None)
+        async with serving(pool):
+            await fail_the_group(pool)
+            admitted = trio.current_time()
+            sub = pool.submit("x", SHORT.replace(deadline_s=20.0), request_id="r")
+            out = await final_of(sub)
+            assert out.error_type == "RequestTimeoutError"
+            assert trio.current_time() - admitted == pytest.approx(20.0)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(InvalidConfigError, match="restart_wait_s"):
+            EnginePool(echo_config(), restart_wait_s=bad)  # type: ignore[arg-type]
+    assert EnginePool(echo_config()).restart_wait_s == pool_module.DEFAULT_RESTART_WAIT_S
