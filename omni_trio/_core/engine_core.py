@@ -624,7 +624,7 @@ class EngineCore:
                     rid,
                     step_id=sched_out.step_id,
                     worker=worker,
-                    detail={"outcome": _outcome(result.get(rid))},
+                    detail=_result_detail(result.get(rid)),
                 )
         finished = self.scheduler.update_from_output(sched_out, result, now)
         entries = self._entries
@@ -1302,6 +1302,15 @@ class EngineCore:
         trace = self.trace
         if trace is not None:
             trace.record(now, kind, request_id, step_id=step_id, worker=worker, detail=detail)
+
+
+def _result_detail(output: RunnerOutput | None) -> dict[str, Any]:
+    """An EXEC_RESULT's detail: the outcome, and how many steps the forward started after
+    the abort of every request in it reached the worker (the promptness INV-7 checks)."""
+    detail: dict[str, Any] = {"outcome": _outcome(output)}
+    if output is not None and output.steps_after_abort is not None:
+        detail["steps_after_abort"] = output.steps_after_abort
+    return detail
 
 
 def _outcome(runner: RunnerOutput | None) -> str:

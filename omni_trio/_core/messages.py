@@ -101,6 +101,10 @@ class RunnerOutput:
     async_output_id: str | None = None
     # Worker-side timings in ms, e.g. {"forward_ms": ..., "postprocess_ms": ...}.
     timings: Mapping[str, float] = field(default_factory=dict)
+    # Request mode: denoising steps the forward started after the abort of its last member
+    # (or a stop of everything) reached the worker; None when not every member was aborted.
+    # Promptness (INV-7) allows at most one.
+    steps_after_abort: int | None = None
 
     @classmethod
     def from_exception(cls, request_id: str, exc: BaseException, **kw: Any) -> RunnerOutput:

@@ -263,7 +263,10 @@ class InprocExecutor(Executor):
         return result if unique_reply_rank is not None else [result]
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.stop_flags.abort(request_ids)
+        ids = tuple(request_ids)
+        if self._worker is not None:  # noted before the flags are set, and apart from them
+            self._worker.mark_aborted(ids)
+        self.stop_flags.abort(ids)
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         return self._progress.get(request_id)

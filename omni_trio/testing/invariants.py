@@ -600,6 +600,11 @@ def _inv6(t: _Trace, max_idle_s: float | None) -> list[Violation]:
     return r.items
 
 
+# Promptness: denoising steps a request-mode forward may start after the abort of every request
+# in it reached its worker (the step running then finishes; the next one may have begun).
+MAX_STEPS_AFTER_ABORT = 1
+
+
 def _inv7(t: _Trace, abort_latency_s: float | None) -> list[Violation]:
     r = _Report(t, "INV-7")
     for inc in _checked(t):
@@ -634,6 +639,15 @@ def _inv7(t: _Trace, abort_latency_s: float | None) -> list[Violation]:
         if abort is not None and terminal is None and (t.closed or moved_on is not None):
             why = "the trace closed" if moved_on is None else f"{_at(moved_on)} came"
             r.inc(inc, f"{_at(abort)} never reached TERMINAL, though {why}", moved_on or abort)
+        for e in inc.events:  # promptness, as the worker measured it
+            after = e.detail.get("steps_after_abort") if e.kind is _EXEC_RESULT else None
+            if isinstance(after, int) and after > MAX_STEPS_AFTER_ABORT:
+                r.inc(
+                    inc,
+                    f"{_at(e)}: its forward started {after} more denoising steps after the abort "
+                    f"of every request in it reached the worker (at most {MAX_STEPS_AFTER_ABORT})",
+                    e,
+                )
     return r.items
 
 

@@ -207,7 +207,10 @@ class WorkerHost:
         return reply
 
     def abort(self, abort: WorkerAbort) -> None:
-        flags = self.worker.stop_flags
+        worker = self.worker
+        if abort.request_ids:  # noted before the flags are set, and apart from them
+            worker.mark_aborted(abort.request_ids)
+        flags = worker.stop_flags
         if abort.everything:
             flags.stop_everything()
         if abort.request_ids:

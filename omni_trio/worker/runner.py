@@ -36,7 +36,7 @@ from ..errors import InvalidConfigError
 from .cfg_parallel import CollectiveError
 from .device import check_device
 from .faults import FaultInjector, FaultPlan, WorkerFatalError, split_fault_options
-from .stop_flags import ForwardStopped, StopFlags
+from .stop_flags import AbortMarks, ForwardStopped, StopFlags
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +103,9 @@ class ForwardedBatch:
     faults: FaultPlan | None = None
     # The median time between step ends (ms): one denoising step; None below two steps.
     step_ms: float | None = None
+    # Steps started after the abort of every request in it reached the worker (None: not
+    # every one was aborted).
+    steps_after_abort: int | None = None
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -132,8 +135,10 @@ class ModelRunner:
         cfg: CfgParallel | None = None,
         world_size: int = 1,
         faults: FaultInjector | None = None,
+        abort_marks: AbortMarks | None = None,
     ) -> None:
         self.config = config
+        self.abort_marks = abort_marks if abort_marks is not None else AbortMarks()
         self.device = device
         self.dtype = dtype
         self.stop_flags = stop_flags
@@ -275,7 +280,8 @@ class ModelRunner:
             return cfg.agree_stop(local) if cfg is not None else local
 
         if must_stop():
-            return _all(ids, aborted=True), ForwardedBatch()
+            after = self.abort_marks.steps_after(ids, 0)
+            return _all(ids, aborted=True, steps_after_abort=after), ForwardedBatch()
         if any(r.sampling.seed is None for r in requests):
             return _all(
                 ids, error="request reached the runner without a seed", error_type="ValueError"
@@ -289,11 +295,15 @@ class ModelRunner:
         progress = self.progress
 
         step_ends: list[float] = []
+        begun = 0  # steps this forward started
+        marks = self.abort_marks
 
         def on_step(step: int, total: int) -> None:
+            nonlocal begun
             step_ends.append(time.perf_counter())
             if must_stop():
                 raise ForwardStopped(ids, step)
+            begun += 1
             self.steps_done += 1
             for rid in ids:
                 progress[rid] = (step, total)
@@ -315,7 +325,8 @@ class ModelRunner:
                     f"model returned {len(raw)} outputs for {len(requests)} requests"
                 )
         except ForwardStopped:
-            return _all(ids, aborted=True), ForwardedBatch()
+            after = marks.steps_after(ids, begun)
+            return _all(ids, aborted=True, steps_after_abort=after), ForwardedBatch()
         except (CollectiveError, WorkerFatalError):
             raise  # this worker is broken (e.g. its CFG-parallel group), not the requests
         except Exception as exc:  # a request failure, not a runner failure ...
@@ -328,15 +339,20 @@ class ModelRunner:
             for rid in ids:
                 progress.pop(rid, None)
         forward_ms = (time.perf_counter() - started) * 1000.0
+        after = marks.steps_after(ids, begun)
         done: list[RunnerOutput] = []
         items: list[tuple[DiffusionRequest, Sequence[Any]]] = []
         for request, images in zip(requests, raw, strict=True):
             if flags.is_aborted(request.request_id):
-                done.append(RunnerOutput(request.request_id, aborted=True))
+                done.append(RunnerOutput(request.request_id, aborted=True, steps_after_abort=after))
             else:
                 items.append((request, images))
         return BatchRunnerOutput.from_list(done), ForwardedBatch(
-            tuple(items), forward_ms, plan if plan else None, _median_interval_ms(step_ends)
+            tuple(items),
+            forward_ms,
+            plan if plan else None,
+            _median_interval_ms(step_ends),
+            steps_after_abort=after,
         )
 
     def pack_outputs(self, batch: ForwardedBatch) -> BatchRunnerOutput:
@@ -367,7 +383,14 @@ class ModelRunner:
             }
             if batch.step_ms is not None:
                 timings["step_ms"] = batch.step_ms
-            outputs.append(RunnerOutput(rid, images=converted, timings=timings))
+            outputs.append(
+                RunnerOutput(
+                    rid,
+                    images=converted,
+                    timings=timings,
+                    steps_after_abort=batch.steps_after_abort,
+                )
+            )
         return BatchRunnerOutput.from_list(outputs)
 
     def close(self) -> None:

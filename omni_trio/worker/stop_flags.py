@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ForwardStopped", "StopFlags"]
+__all__ = ["AbortMarks", "ForwardStopped", "StopFlags"]
 
 
 class ForwardStopped(Exception):
@@ -61,3 +61,40 @@ class StopFlags:
                 return set(self._aborted)
             except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
                 continue
+
+
+class AbortMarks:
+    """When each abort reached this worker, in steps: the denoising steps its forward had
+    started by then (0 if it had not started).  Kept apart from :class:`StopFlags`, which
+    decide whether a forward stops, so that promptness (INV-7) is measured, not assumed: a
+    forward reports the steps it started after the last of its requests was marked
+    (:attr:`RunnerOutput.steps_after_abort`).  Written by the loop, read by the forward."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, int] = {}
+        self._everything: int | None = None
+
+    def mark(self, request_ids: Iterable[str], started: dict[str, int]) -> None:
+        """``request_ids`` were aborted now; ``started``: steps started per running id."""
+        for rid in request_ids:
+            self._marks.setdefault(rid, started.get(rid, 0))
+
+    def mark_everything(self, started: dict[str, int]) -> None:
+        """Every forward must stop now (close): each running id is marked."""
+        for rid, steps in list(started.items()):
+            self._marks.setdefault(rid, steps)
+
+    def steps_after(self, request_ids: Iterable[str], started: int) -> int | None:
+        """Steps a forward of ``request_ids`` started after the last of them was marked,
+        having started ``started`` in all; None unless every one of them is marked."""
+        marks = [self._marks.get(rid) for rid in request_ids]
+        if not marks or any(m is None for m in marks):
+            return None
+        return max(0, started - max(m for m in marks if m is not None))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._marks.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._marks)

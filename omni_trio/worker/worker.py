@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
@@ -30,7 +30,7 @@ from .faults import FaultInjector
 from .output_packer import OutputPacker, record_ready_event
 from .runner import ForwardedBatch, ModelRunner, StepProgress
 from .step_runner import snapshot_keys
-from .stop_flags import StopFlags
+from .stop_flags import AbortMarks, StopFlags
 
 if TYPE_CHECKING:
     import torch
@@ -126,6 +126,8 @@ class Worker:
         self.group_rank = rank % self.group_size
         # ``is None``, not ``or``: StopFlags has __len__, so an empty (shared) one is falsy.
         self.stop_flags = stop_flags if stop_flags is not None else StopFlags()
+        # When each abort reached this worker (promptness is measured from these).
+        self.abort_marks = AbortMarks()
         self.progress: StepProgress = progress if progress is not None else {}
         self.runner: ModelRunner | None = None
         self.packer: OutputPacker | None = None
@@ -201,6 +203,7 @@ class Worker:
             cfg=self.cfg,
             world_size=self.group_size,
             faults=self.faults,
+            abort_marks=self.abort_marks,
         )
         self.model_info = runner.load_model()
         self.runner = runner
@@ -275,6 +278,7 @@ class Worker:
         """
         runner = self._runner()
         self.stop_flags.forget(scheduler_output.finished_req_ids)
+        self.abort_marks.forget(scheduler_output.finished_req_ids)
         requests = [r.request for r in scheduler_output.scheduled_new_reqs]
         if not requests:  # a data-parallel rank told only of finished requests
             return BatchRunnerOutput()
@@ -283,6 +287,7 @@ class Worker:
         finally:
             # The forward is over: its requests' stop flags have done their job.
             self.stop_flags.forget(scheduler_output.scheduled_request_ids)
+            self.abort_marks.forget(scheduler_output.scheduled_request_ids)
         if not forwarded.items:
             return done
         faults = forwarded.faults
@@ -302,6 +307,7 @@ class Worker:
                 rid,
                 async_output_id=f"{batch_id}/{rid}",
                 timings={"forward_ms": forwarded.forward_ms},
+                steps_after_abort=forwarded.steps_after_abort,
             )
             for rid in forwarded.request_ids
         }
@@ -324,6 +330,13 @@ class Worker:
             return self._runner().execute_stepwise(scheduler_output)
         finally:
             self.stop_flags.forget(scheduler_output.scheduled_request_ids)
+            self.abort_marks.forget(scheduler_output.scheduled_request_ids)
+
+    def mark_aborted(self, request_ids: Iterable[str]) -> None:
+        """An abort of ``request_ids`` reached this worker now: note how far their forwards
+        were (before the stop flags are set, and apart from them)."""
+        started = {rid: step + 1 for rid, (step, _) in dict(self.progress).items()}
+        self.abort_marks.mark(request_ids, started)
 
     def leftovers(self) -> dict[str, set[str]]:
         """The per-request resources this worker holds, by kind, as owning request ids:

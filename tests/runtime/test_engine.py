@@ -1609,3 +1609,47 @@ async def test_pictures_render_alike_in_both_modes_at_their_own_size(cache_dir: 
                 engine.stream("p", SamplingParams(image=_noise_picture(32, 32)))
             assert info.value.param == "image"
     np.testing.assert_array_equal(images[0], images[1])
+
+
+# -- promptness, as the worker measures it -----------------------------------------------------
+
+
+@pytest.mark.parametrize("stop_flags_work", [True, False], ids=["runtime", "planted-bug"])
+async def test_an_aborted_forward_stops_within_a_step_of_the_abort_reaching_its_worker(
+    monkeypatch: pytest.MonkeyPatch, stop_flags_work: bool
+) -> None:
+    """The worker notes how far a forward was when each abort reached it and reports the
+    steps it started after the last of its requests was aborted; the checker allows one
+    (INV-7).  With a planted bug (the abort sets no stop flag, so the forward runs to its
+    end) the trace says so, though every request still ends FINISHED_ABORTED at once."""
+    from omni_trio._core.trace import TraceKind, TraceRecorder
+    from omni_trio.testing.invariants import check_trace
+    from omni_trio.worker.stop_flags import StopFlags
+
+    if not stop_flags_work:
+        monkeypatch.setattr(StopFlags, "abort", lambda self, request_ids: None)
+    trace = TraceRecorder()
+    with trio.fail_after(CAP_S):
+        async with open_engine(
+            model="builtin:echo",
+            warmup=False,
+            model_options={"step_delay_s": 0.01},
+            trace=trace,
+        ) as engine:
+            sampling = SamplingParams(num_inference_steps=30, seed=1, height=32, width=32)
+            stream = engine.stream("p", sampling, request_id="a")
+            while (engine.progress("a") or (0, 0))[0] < 2:  # noqa: ASYNC110
+                await trio.sleep(0.005)
+            engine.abort("a")
+            async with stream:
+                outs = [out async for out in stream]
+            assert outs[-1].status is RequestStatus.FINISHED_ABORTED
+            await engine.wait_idle()
+    [result] = [e for e in trace.events if e.kind is TraceKind.EXEC_RESULT]
+    after = result.detail["steps_after_abort"]
+    prompt = [v for v in check_trace(trace.events) if v.invariant == "INV-7"]
+    if stop_flags_work:
+        assert after <= 1 and prompt == []
+    else:
+        assert after >= 20 and prompt, result.detail  # ran on to its end
+        assert "more denoising steps after the abort" in prompt[0].message

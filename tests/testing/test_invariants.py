@@ -645,6 +645,13 @@ def bad_abort_latency() -> Trace:
     return t.terminal("r1", ABORTED)
 
 
+def bad_forward_runs_on_after_its_abort() -> Trace:
+    # The worker measured it: its forward started 17 more steps after the abort reached it.
+    t = _one()
+    t.schedule("r1", 1).start("r1", 1).abort("r1").terminal("r1", ABORTED)
+    return t.ev(K.EXEC_RESULT, "r1", step_id=1, worker=0, outcome="ok", steps_after_abort=17)
+
+
 BadCase = tuple[str, str | None, Callable[[], Trace], dict[str, Any]]
 BAD: dict[str, BadCase] = {
     # INV-1
@@ -700,6 +707,7 @@ BAD: dict[str, BadCase] = {
     "abort-then-cleanup": ("INV-7", "r1", bad_abort_then_cleanup_without_terminal, {}),
     "abort-then-result": ("INV-7", "r1", bad_abort_then_result_without_terminal, {}),
     "abort-latency": ("INV-7", "r1", bad_abort_latency, {"abort_latency_s": 1.0}),
+    "steps-after-abort": ("INV-7", "r1", bad_forward_runs_on_after_its_abort, {}),
 }
 
 PER_INVARIANT: dict[str, Callable[..., list[Violation]]] = {
@@ -748,6 +756,14 @@ def test_there_are_enough_bad_cases_for_every_invariant() -> None:
     labels = [case[0] for case in BAD.values()]
     assert len(BAD) >= 25
     assert set(labels) == set(INVARIANTS)
+
+
+def test_one_step_after_an_abort_is_prompt_enough() -> None:
+    t = _one()
+    t.schedule("r1", 1).start("r1", 1).abort("r1").terminal("r1", ABORTED)
+    t.ev(K.EXEC_RESULT, "r1", step_id=1, worker=0, outcome="aborted", steps_after_abort=1)
+    t.output("r1", ABORTED).cleanup("r1")
+    assert [v for v in check_trace(t.events) if v.invariant == "INV-7"] == []
 
 
 def test_idle_gap_needs_max_idle_s_and_abort_latency_needs_abort_latency_s() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omni_trio.worker.stop_flags import ForwardStopped, StopFlags
+from omni_trio.worker.stop_flags import AbortMarks, ForwardStopped, StopFlags
 
 
 def test_fresh_flags_stop_nothing() -> None:
@@ -75,3 +75,19 @@ def test_forward_stopped_names_requests_and_step() -> None:
     assert exc.step == 3
     assert "a, b" in str(exc)
     assert "step 3" in str(exc)
+
+
+def test_abort_marks_say_how_many_steps_a_forward_started_after_its_last_abort() -> None:
+    marks = AbortMarks()
+    assert marks.steps_after(["a", "b"], 5) is None  # nobody aborted: nothing to measure
+    marks.mark(["a"], {"a": 2, "b": 2})
+    assert marks.steps_after(["a", "b"], 5) is None  # b still live: the forward runs on
+    assert marks.steps_after(["a"], 2) == 0  # stopped at the next boundary
+    marks.mark(["b"], {"a": 3, "b": 3})
+    assert marks.steps_after(["a", "b"], 4) == 1  # from the last member's abort
+    marks.mark(["b"], {"b": 9})  # a second abort does not move the first mark
+    assert marks.steps_after(["b"], 20) == 17
+    marks.mark(["c"], {})  # not started yet
+    assert marks.steps_after(["c"], 0) == 0
+    marks.forget(["a", "b", "c"])
+    assert len(marks) == 0 and marks.steps_after(["a"], 1) is None
