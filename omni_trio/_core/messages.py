@@ -102,7 +102,7 @@ class RunnerOutput:
     # Worker-side timings in ms, e.g. {"forward_ms": ..., "postprocess_ms": ...}.
     timings: Mapping[str, float] = field(default_factory=dict)
     # Request mode: denoising steps the forward started after the abort of its last member
-    # (or a stop of everything) reached the worker; None when not every member was aborted.
+    # reached the worker; None when not every member was aborted (or in step mode).
     # Promptness (INV-7) allows at most one.
     steps_after_abort: int | None = None
 

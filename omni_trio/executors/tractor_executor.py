@@ -426,10 +426,6 @@ class TractorTransport(Transport):
         finally:
             if TractorTransport._runtime_owner is self:
                 TractorTransport._runtime_owner = None
-            if self._sigterm_received:
-                # The workers are down; now die of the SIGTERM as asked.
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
             # Every worker process is gone: unlink what they created and nobody received,
             # and what this engine sent them that they never decoded.
             for rank in range(self._world_size):
@@ -439,6 +435,10 @@ class TractorTransport(Transport):
             unread = SegmentRegistry(self.sent_shm_tag).sweep()
             if unread:
                 log.info("unlinked %d shared-memory segment(s) sent and never read", len(unread))
+            if self._sigterm_received:
+                # The workers are down and their segments gone; now die of the SIGTERM.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     async def _warm_fork_server(self, start_method: str) -> None:
         from tractor import _spawn
@@ -638,7 +638,8 @@ class TractorTransport(Transport):
         try:
             link.outbox.send_nowait(data)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            discard_message(data)  # never sent: nobody will decode (and unlink) it
+            # Never sent: nobody will decode (and unlink) it.
+            discard_message(data, registry=self._encoder.registry)
 
     def kill(self, rank: int) -> None:
         link = self._links.get(rank)

@@ -278,12 +278,13 @@ def segments_of_this_process() -> list[str]:
     those with no owner tag at all (which nothing can attribute); never another live or
     dead process's.  What a leak check of this process's engines counts, so that another
     engine on the machine cannot fail it."""
-    mine = SHM_PREFIX + owner_tag()
-    return [
-        name
-        for name in list_our_segments()
-        if name.startswith(mine) or _OWNER_RE.match(name, len(SHM_PREFIX)) is None
-    ]
+    mine = owner_tag()
+    found = []
+    for name in list_our_segments():
+        match = _OWNER_RE.match(name, len(SHM_PREFIX))
+        if match is None or match.group(0) == mine:  # whole tags: o12x456 is not o12x4567
+            found.append(name)
+    return found
 
 
 def sweep_orphans() -> list[str]:

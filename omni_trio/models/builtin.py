@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -218,9 +217,9 @@ def _fsync_tree(root: Path) -> None:
                 os.close(fd)
 
 
-# How long a worker that is not rank 0 of its torch.distributed group waits for rank 0 to build
-# a built-in (a build takes about a second; a loaded machine, or a slow disk, longer).
-BUILD_WAIT_S = 300.0
+# How long a build in a separate process may take (about a second here; a loaded machine, or
+# a slow disk, longer).
+BUILD_TIMEOUT_S = 300.0
 
 
 def _distributed_rank() -> int | None:
@@ -233,16 +232,34 @@ def _distributed_rank() -> int | None:
     return int(distributed.get_rank())
 
 
-def _wait_for_build(target: Path) -> Path:
-    deadline = time.monotonic() + BUILD_WAIT_S
-    while not (target / MARKER).is_file():
-        if time.monotonic() > deadline:
-            raise InvalidConfigError(
-                f"rank {_distributed_rank()} waited {BUILD_WAIT_S:g} s for rank 0 to build "
-                f"{target.name} in {str(target.parent)!r}; it never appeared",
-                field="cache_dir",
-            )
-        time.sleep(0.05)
+def _build_in_subprocess(name: str, cache_dir: Path, target: Path) -> Path:
+    """:func:`ensure_builtin` in a fresh interpreter (no torch.distributed group there)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pathlib\n"
+        "from omni_trio.models.builtin import ensure_builtin\n"
+        "ensure_builtin(sys.argv[1], pathlib.Path(sys.argv[2]))\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, name, str(cache_dir)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise InvalidConfigError(
+            f"building builtin:{name} in {str(cache_dir)!r} took over {BUILD_TIMEOUT_S:g} s",
+            field="cache_dir",
+        ) from None
+    if done.returncode != 0 or not (target / MARKER).is_file():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InvalidConfigError(
+            f"could not build builtin:{name} in {str(cache_dir)!r}: {last}", field="cache_dir"
+        )
     return target
 
 
@@ -261,8 +278,9 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
         return target
     if _distributed_rank() not in (None, 0):
         # transformers writes a model's weights on rank 0 of an initialised torch.distributed
-        # group only: a copy saved here would lack them.  Rank 0 builds it; wait for it.
-        return _wait_for_build(target)
+        # group only: a copy saved here would lack them.  A fresh process, outside the group,
+        # builds it (rank 0 may be on another node, with a cache of its own).
+        return _build_in_subprocess(name, cache_dir, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:

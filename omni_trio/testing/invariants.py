@@ -793,6 +793,7 @@ SETTLING_KINDS = frozenset(
         "runner_progress",
         "step_states",
         "stop_flags",
+        "abort_marks",
         "packer_queue",
     }
 )

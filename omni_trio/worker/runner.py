@@ -324,6 +324,9 @@ class ModelRunner:
                 raise RuntimeError(
                     f"model returned {len(raw)} outputs for {len(requests)} requests"
                 )
+            # Read while the progress still names the forward: an abort noted after the
+            # finally below would see no progress and count every step as late.
+            after = marks.steps_after(ids, begun)
         except ForwardStopped:
             after = marks.steps_after(ids, begun)
             return _all(ids, aborted=True, steps_after_abort=after), ForwardedBatch()
@@ -339,7 +342,6 @@ class ModelRunner:
             for rid in ids:
                 progress.pop(rid, None)
         forward_ms = (time.perf_counter() - started) * 1000.0
-        after = marks.steps_after(ids, begun)
         done: list[RunnerOutput] = []
         items: list[tuple[DiffusionRequest, Sequence[Any]]] = []
         for request, images in zip(requests, raw, strict=True):

@@ -68,21 +68,17 @@ class AbortMarks:
     started by then (0 if it had not started).  Kept apart from :class:`StopFlags`, which
     decide whether a forward stops, so that promptness (INV-7) is measured, not assumed: a
     forward reports the steps it started after the last of its requests was marked
-    (:attr:`RunnerOutput.steps_after_abort`).  Written by the loop, read by the forward."""
+    (:attr:`RunnerOutput.steps_after_abort`).  Written by the loop, read by the forward.
+    Request aborts only: a stop of everything (close) is not measured, nor is step mode (an
+    aborted request is simply not scheduled again)."""
 
     def __init__(self) -> None:
         self._marks: dict[str, int] = {}
-        self._everything: int | None = None
 
     def mark(self, request_ids: Iterable[str], started: dict[str, int]) -> None:
         """``request_ids`` were aborted now; ``started``: steps started per running id."""
         for rid in request_ids:
             self._marks.setdefault(rid, started.get(rid, 0))
-
-    def mark_everything(self, started: dict[str, int]) -> None:
-        """Every forward must stop now (close): each running id is marked."""
-        for rid, steps in list(started.items()):
-            self._marks.setdefault(rid, steps)
 
     def steps_after(self, request_ids: Iterable[str], started: int) -> int | None:
         """Steps a forward of ``request_ids`` started after the last of them was marked,
@@ -95,6 +91,14 @@ class AbortMarks:
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._marks.pop(rid, None)
+
+    def marked_ids(self) -> set[str]:
+        """The ids marked now (a copy; any thread)."""
+        while True:
+            try:
+                return set(self._marks)
+            except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
+                continue
 
     def __len__(self) -> int:
         return len(self._marks)

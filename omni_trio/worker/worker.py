@@ -330,7 +330,11 @@ class Worker:
             return self._runner().execute_stepwise(scheduler_output)
         finally:
             self.stop_flags.forget(scheduler_output.scheduled_request_ids)
-            self.abort_marks.forget(scheduler_output.scheduled_request_ids)
+            # An aborted step-mode request is usually never scheduled again: its mark goes
+            # with the ids the engine says are over.
+            self.abort_marks.forget(
+                (*scheduler_output.scheduled_request_ids, *scheduler_output.finished_req_ids)
+            )
 
     def mark_aborted(self, request_ids: Iterable[str]) -> None:
         """An abort of ``request_ids`` reached this worker now: note how far their forwards
@@ -343,7 +347,10 @@ class Worker:
         ``runner_progress``, ``step_states``, ``stop_flags`` and ``packer_queue``.  Safe to
         call from another thread while a forward runs (a snapshot)."""
         runner = self.runner
-        held: dict[str, set[str]] = {"stop_flags": self.stop_flags.aborted_ids()}
+        held: dict[str, set[str]] = {
+            "stop_flags": self.stop_flags.aborted_ids(),
+            "abort_marks": self.abort_marks.marked_ids(),
+        }
         held["runner_progress"] = snapshot_keys(self.progress)
         if runner is not None:
             held.update(runner.leftovers())

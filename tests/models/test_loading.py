@@ -179,3 +179,27 @@ def test_loading_prints_nothing_of_transformers(tmp_path: Path) -> None:
     )
     assert "torchvision" not in proc.stderr
     assert proc.stderr == ""
+
+
+def test_a_worker_not_rank_0_builds_a_builtin_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers saves weights on rank 0 of an initialised torch.distributed group only:
+    a CFG-parallel pair's second worker once built tiny-sd without its text encoder's
+    weights, which could win the rename and break the cache for good.  Such a rank builds in
+    a process of its own, outside the group, and gets a complete copy."""
+    import torch
+
+    from omni_trio.models import builtin
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    target = builtin.ensure_builtin("tiny-sd", tmp_path)
+    assert (target / builtin.MARKER).is_file()
+    weights = {p.parent.name for p in target.rglob("*.safetensors")}
+    assert {"unet", "vae", "text_encoder"} <= weights, weights
+    model = load_model(
+        str(target), device=torch.device("cpu"), dtype=torch.float32, cache_dir=tmp_path,
+        options={},
+    )  # fmt: skip
+    model.close()

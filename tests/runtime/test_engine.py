@@ -1487,9 +1487,9 @@ async def test_once_idle_nothing_anywhere_holds_a_finished_request(
             workers = await engine.worker_leftovers()
             assert {k: v for k, v in {**held, **workers}.items() if v} == {}
             assert sorted(workers) == (
-                ["runner_progress", "step_states", "stop_flags"]
+                ["abort_marks", "runner_progress", "step_states", "stop_flags"]
                 if step_execution
-                else ["packer_queue", "runner_progress", "stop_flags"]
+                else ["abort_marks", "packer_queue", "runner_progress", "stop_flags"]
             )
             assert engine.statistics().packing == 0
 

@@ -480,3 +480,47 @@ def test_a_broken_group_is_raised_not_reported_as_the_requests_error(
         assert runner.progress == {}
     finally:
         runner.close()
+
+
+def _mark(runner: ModelRunner, progress: StepProgress, ids: list[str]) -> None:
+    """What the worker does when an abort arrives: note the steps each forward started."""
+    runner.abort_marks.mark(ids, {rid: step + 1 for rid, (step, _) in dict(progress).items()})
+
+
+def test_a_forward_reports_the_steps_it_started_after_its_abort(hooked: Any) -> None:
+    runner, flags, progress, hooks = hooked
+
+    def abort_after_two(steps: int) -> None:
+        if steps == 2:
+            _mark(runner, progress, ["mid"])
+            flags.abort(["mid"])
+
+    hooks.hook = abort_after_two
+    result = runner.execute_model(request("mid", steps=10)).get("mid")
+    assert result is not None and result.aborted and result.steps_after_abort == 0
+    # Stop flags that are never set: the forward runs on, and says by how much.
+    hooks.hook = lambda steps: _mark(runner, progress, ["late"]) if steps == 2 else None
+    hooks.steps = 0
+    late = runner.execute_model(request("late", steps=10)).get("late")
+    assert late is not None and late.images is not None and late.steps_after_abort == 8
+    # A fused forward with a live member reports nothing; nor does an unaborted one.
+    hooks.hook = lambda steps: _mark(runner, progress, ["a"]) if steps == 1 else None
+    out = runner.execute_model_batch([request("a", steps=4), request("b", steps=4)])
+    assert [r.steps_after_abort for r in out] == [None, None]
+
+
+def test_an_abort_noted_as_the_forward_ends_is_not_counted_late(hooked: Any) -> None:
+    # An abort that arrives while the forward is being wound up (its progress already
+    # cleared) sees no step started; that must not read as "every step after the abort".
+    runner, _, _, _ = hooked
+
+    class AbortWhileClearing(dict[str, tuple[int, int]]):
+        def pop(self, key: str, *default: Any) -> Any:
+            value = super().pop(key, *default)
+            _mark(runner, self, [key])  # the abort lands right after the progress went
+            return value
+
+    runner.progress = AbortWhileClearing()
+    result = runner.execute_model(request("r", steps=5)).get("r")
+    assert result is not None and result.images is not None
+    assert result.steps_after_abort is None  # the forward was over before the abort came

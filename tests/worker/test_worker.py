@@ -251,18 +251,22 @@ def test_leftovers_report_what_the_worker_holds_per_request(cache_dir: Path) -> 
     try:
         assert w.execute_method("leftovers") == {
             "stop_flags": set(),
+            "abort_marks": set(),
             "runner_progress": set(),
             "step_states": set(),
         }
         a, b = request("a"), request("b")
         w.execute_stepwise(wave(a, b))
+        w.mark_aborted(["b"])  # an abort of b reached the worker between two ticks
         held = w.leftovers()
         assert held["step_states"] == {"a", "b"}
         assert held["runner_progress"] == {"a", "b"}
-        # The scheduler reports them finished: their state is evicted.
+        assert held["abort_marks"] == {"b"}
+        # The scheduler reports them finished: their state (and b's mark) is evicted.
         w.execute_stepwise(SchedulerOutput(step_id=2, finished_req_ids=frozenset({"a", "b"})))
         assert w.leftovers() == {
             "stop_flags": set(),
+            "abort_marks": set(),
             "runner_progress": set(),
             "step_states": set(),
         }
