@@ -392,8 +392,10 @@ class AsyncEngine:
         core = self.core
         core.check_open()
         request = core.build_request(prompt_or_request, params, request_id)
-        if request.sampling.image is not None:  # loaded RGB / L now: a bad one is the caller's
-            request = request.replace(sampling=canonical_pictures(request.sampling))
+        sampling = request.sampling
+        if isinstance(sampling, SamplingParams) and sampling.image is not None:
+            # Loaded RGB / L now: a picture that cannot be read is the caller's error.
+            request = request.replace(sampling=canonical_pictures(sampling))
         counted = not (self._warming and request.request_id == WARMUP_REQUEST_ID)
         request = core.admit(request, trio.current_time(), counted=counted)
         if core.model_info is not None and counted:

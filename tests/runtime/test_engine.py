@@ -193,6 +193,8 @@ async def test_request_ids_are_generated_or_taken_from_the_caller() -> None:
         ("x" * 10_001, params(), None, "prompt"),
         ("p", params(num_outputs_per_prompt=17), None, "num_outputs_per_prompt"),
         ("p", params(height=2048, width=2048), None, "size"),
+        ("p", {"seed": 1}, None, "sampling"),  # not SamplingParams at all
+        ("p", params(image="in.png"), None, "image"),
     ],
 )
 async def test_invalid_requests_are_rejected_before_admission(
