@@ -7,9 +7,9 @@ a picture that cannot be read or converted is the caller's :class:`InvalidReques
 requests.  What is converted how:
 
 - a PIL image is loaded (a file opened lazily with ``Image.open`` is read now: a truncated
-  one is refused); 16-bit greyscale is scaled to 8 bits; transparency (``RGBA``, ``LA``,
-  ``PA``, a palette with a transparent colour) is composited on white, so what a transparent
-  pixel hid never reaches the model; every other mode Pillow converts to ``RGB`` is; 32-bit
+  one is refused); 16-bit greyscale is scaled to 8 bits; any transparency Pillow reports
+  (``RGBA``, ``LA``, ``PA``, a transparent palette or colour key) is composited on white,
+  so what a transparent pixel hid never reaches the model; every other mode Pillow converts to ``RGB`` is; 32-bit
   integer (``I``) and float (``F``) pictures are refused (their range is unknown);
 - a ``uint8`` array ``(H, W)``, ``(H, W, 1)``, ``(H, W, 3)`` or ``(H, W, 4)`` becomes the
   matching image (``RGBA`` composited on white); any other array is left for
@@ -30,7 +30,7 @@ from ..errors import InvalidRequestError
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["canonical_pictures"]
+__all__ = ["canonical_pictures", "on_white"]
 
 _SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
 _UNSCALED = frozenset({"I", "F"})
@@ -108,14 +108,18 @@ def _to_mode(picture: Image.Image, mode: str, param: str) -> Image.Image:
         grey = np.asarray(picture, dtype=np.uint16) >> 8
         picture = Image.fromarray(grey.astype(np.uint8), "L")
         return picture if mode == "L" else picture.convert(mode)
-    if mode == "RGB" and _has_alpha(picture):
-        rgba = picture.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+    if mode == "RGB":
+        return on_white(picture)
     return picture.convert(mode)
 
 
-def _has_alpha(picture: Image.Image) -> bool:
-    return picture.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        picture.mode == "P" and "transparency" in picture.info
-    )
+def on_white(picture: Image.Image) -> Image.Image:
+    """``picture`` as ``RGB``, any transparency composited on white (so what a transparent
+    pixel hid never reaches a model)."""
+    from PIL import Image
+
+    if not picture.has_transparency_data:
+        return picture.convert("RGB")
+    rgba = picture.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")

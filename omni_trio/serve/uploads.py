@@ -43,6 +43,8 @@ import struct
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
+from ..runtime.pictures import on_white
+
 __all__ = [
     "FORMATS",
     "UploadError",
@@ -134,12 +136,9 @@ def decode_upload(
 
 
 def as_rgb(image: Image.Image) -> Image.Image:
-    """A new ``RGB`` copy of ``image``; any transparency is composited on white."""
-    if not image.has_transparency_data:
-        return image.convert("RGB")
-    rgba = image.convert("RGBA")
-    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    return Image.alpha_composite(white, rgba).convert("RGB")
+    """A new ``RGB`` copy of ``image``; any transparency is composited on white (as the
+    engine makes every picture at admission, :func:`omni_trio.runtime.pictures.on_white`)."""
+    return on_white(image)
 
 
 def as_mask(image: Image.Image, *, size: tuple[int, int]) -> Image.Image:

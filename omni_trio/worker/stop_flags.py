@@ -14,6 +14,15 @@ from collections.abc import Iterable
 __all__ = ["AbortMarks", "ForwardStopped", "StopFlags"]
 
 
+def _snapshot(ids: Iterable[str]) -> set[str]:
+    """A copy of a set or dict's keys that the other thread may be resizing meanwhile."""
+    while True:
+        try:
+            return set(ids)
+        except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
+            continue
+
+
 class ForwardStopped(Exception):
     """Raised inside a forward at a step boundary because all of its requests were aborted."""
 
@@ -56,11 +65,7 @@ class StopFlags:
 
     def aborted_ids(self) -> set[str]:
         """The ids flagged now (a copy; any thread)."""
-        while True:
-            try:
-                return set(self._aborted)
-            except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
-                continue
+        return _snapshot(self._aborted)
 
 
 class AbortMarks:
@@ -94,11 +99,7 @@ class AbortMarks:
 
     def marked_ids(self) -> set[str]:
         """The ids marked now (a copy; any thread)."""
-        while True:
-            try:
-                return set(self._marks)
-            except RuntimeError:  # pragma: no cover - resized by the other thread meanwhile
-                continue
+        return _snapshot(self._marks)
 
     def __len__(self) -> int:
         return len(self._marks)
