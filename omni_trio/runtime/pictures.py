@@ -9,8 +9,9 @@ requests.  What is converted how:
 - a PIL image is loaded (a file opened lazily with ``Image.open`` is read now: a truncated
   one is refused); 16-bit greyscale is scaled to 8 bits; any transparency Pillow reports
   (``RGBA``, ``LA``, ``PA``, a transparent palette or colour key) is composited on white,
-  so what a transparent pixel hid never reaches the model; every other mode Pillow converts to ``RGB`` is; 32-bit
-  integer (``I``) and float (``F``) pictures are refused (their range is unknown);
+  so what a transparent pixel hid never reaches the model; every other mode Pillow converts
+  to ``RGB`` is; 32-bit integer (``I``) and float (``F``) pictures are refused (their range
+  is unknown);
 - a ``uint8`` array ``(H, W)``, ``(H, W, 1)``, ``(H, W, 3)`` or ``(H, W, 4)`` becomes the
   matching image (``RGBA`` composited on white); any other array is left for
   :func:`~omni_trio._core.request.validate_request` to refuse with its message;
