@@ -164,6 +164,18 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "needs a running daemon and the reader's pictures; tests/serve/test_edits.py sends the "
         "same multipart request (httpx and the openai SDK) to a real server"
     ),
+    ("docs/operations.md", "stream=True, partial_images=2"): NotRun(
+        "needs a running daemon in step mode; tests/serve/test_app.py::"
+        "test_the_sdk_parses_every_stream_event_with_its_own_types makes the same SDK call"
+    ),
+    ("docs/operations.md", "localhost:8000/v1/jobs"): NotRun(
+        "needs a running daemon, and job ids differ per run; tests/serve/test_jobs.py makes "
+        "each of these calls to a real server"
+    ),
+    ("docs/operations.md", "hmac.compare_digest(expected"): NotRun(
+        "a receiver's fragment (secret, raw_body and request are the reader's); "
+        "tests/serve/test_webhooks.py checks every delivery's signature the same way"
+    ),
     ("docs/operations.md", "until curl -sf"): NotRun(
         "the README's serve example: the same start, wait for /ready and SIGTERM, run there"
     ),

@@ -36,6 +36,8 @@ Every request resource it holds is reported by :meth:`EngineCore.leftovers`.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -57,6 +59,7 @@ from ..errors import (
 from .cost import CostModel
 from .faults import FAULTS_KEY, WARMUP_REQUEST_ID, parse_faults
 from .health import (
+    CANCEL_LATENCY_BUCKETS_S,
     EngineHealth,
     EngineState,
     EngineStatistics,
@@ -298,6 +301,13 @@ class EngineCore:
         self._admitted = 0
         self._requeued = 0
         self._finished_counts = {s: 0 for s in _S if s.finished}
+        # Diffusion accounting (EngineStatistics): dispatches by size, aborts of requests in
+        # the dispatch in flight (id -> when; measured when it settles), and wasted steps.
+        self._batch_sizes: collections.Counter[int] = collections.Counter()
+        self._stopping: dict[str, float] = {}
+        self._cancel_counts = [0] * (len(CANCEL_LATENCY_BUCKETS_S) + 1)
+        self._cancel_sum_s = 0.0
+        self._wasted_steps = 0
         self._timings: dict[str, deque[float]] = {k: deque(maxlen=_TIMING_WINDOW) for k in _PHASES}
         self._id_prefix = id_prefix
         self._ids = itertools.count(1)
@@ -565,6 +575,7 @@ class EngineCore:
         """
         if self._dispatch is not None:
             raise RuntimeError("a scheduler output is already being executed")
+        self._stopping.clear()  # of a dispatch written off: its compute's end is unknown
         if not self.has_work():
             return None
         # A step boundary: under "priority" a better waiting request preempts worse running
@@ -580,6 +591,8 @@ class EngineCore:
             assert state is not None
             states[rid] = state
         self._dispatch = sched_out
+        if sched_out.scheduled_request_ids:
+            self._batch_sizes[len(sched_out.scheduled_request_ids)] += 1
         if self.trace is not None:
             step = sched_out.step_id
             for rid in sched_out.scheduled_request_ids:
@@ -626,6 +639,7 @@ class EngineCore:
                     worker=worker,
                     detail=_result_detail(result.get(rid)),
                 )
+        self._account(states, result, now)
         finished = self.scheduler.update_from_output(sched_out, result, now)
         entries = self._entries
         for rid in sched_out.scheduled_request_ids:
@@ -644,6 +658,30 @@ class EngineCore:
             if done is not None and done.state is states[rid]:
                 self._terminal(done, result.get(rid), now, out)
         return out
+
+    def _account(
+        self, states: dict[str, RequestState], result: BatchRunnerOutput, now: float
+    ) -> None:
+        """A dispatch settled: the cancel latency of its members aborted meanwhile, and the
+        steps it computed for requests that end aborted or failed (request mode: the
+        runner's ``step_index`` of a stopped or failed forward; step mode: the tick's step,
+        when it ran for a request aborted meanwhile -- steps applied before are counted at
+        the request's end)."""
+        request_mode = not self.config.step_execution
+        for rid in states:
+            runner = result.get(rid)
+            aborted_at = self._stopping.pop(rid, None)
+            if aborted_at is not None:
+                latency = max(0.0, now - aborted_at)
+                self._cancel_counts[bisect.bisect_left(CANCEL_LATENCY_BUCKETS_S, latency)] += 1
+                self._cancel_sum_s += latency
+            if runner is None:
+                continue
+            if request_mode:
+                if aborted_at is not None or runner.error is not None or runner.aborted:
+                    self._wasted_steps += runner.step_index or 0
+            elif aborted_at is not None and not runner.aborted and runner.error is None:
+                self._wasted_steps += 1
 
     def execution_failed(
         self, sched_out: SchedulerOutput, error: str, error_type: str, now: float
@@ -902,6 +940,8 @@ class EngineCore:
             status = entry.state.status
             if status is _S.RUNNING:
                 stop.append(rid)
+                if rid in self._dispatch_states:
+                    self._stopping[rid] = now
             elif status is _S.PACKING and entry.output_key is not None:
                 out.append(DropOutput(entry.output_key, rid))
                 entry.output_key = None
@@ -1153,6 +1193,8 @@ class EngineCore:
         if entry.counted:
             self._finished_counts[status] += 1
         completed = status is _S.FINISHED_COMPLETED
+        if not completed:
+            self._wasted_steps += state.num_computed_steps  # step mode's applied steps
         if completed:
             self._progress_credit = True
         images: tuple[Any, ...] = ()
@@ -1285,6 +1327,10 @@ class EngineCore:
             execution=PhaseSummary.of(self._timings["execution"]),
             postprocess=PhaseSummary.of(self._timings["postprocess"]),
             end_to_end=PhaseSummary.of(self._timings["end_to_end"]),
+            batch_sizes=tuple(sorted(self._batch_sizes.items())),
+            cancel_latency_counts=tuple(self._cancel_counts),
+            cancel_latency_sum_s=self._cancel_sum_s,
+            wasted_steps=self._wasted_steps,
         )
 
     # -- trace ---------------------------------------------------------------------------

@@ -88,6 +88,10 @@ class PhaseSummary:
         )
 
 
+# Upper bounds (seconds) of the cancel-latency buckets of EngineStatistics.
+CANCEL_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A snapshot of the engine (``AsyncEngine.statistics()``).
@@ -117,6 +121,16 @@ class EngineStatistics:
     postprocess: PhaseSummary = field(default_factory=PhaseSummary)
     end_to_end: PhaseSummary = field(default_factory=PhaseSummary)
     packing: int = 0
+    # Diffusion accounting.  ``batch_sizes``: (requests in it, how many) of every wave
+    # (request mode) or tick (step mode) dispatched, by size.  ``cancel_latency_counts``:
+    # aborts of requests whose compute was in flight, by the time from the abort to the end
+    # of that compute (per bucket of CANCEL_LATENCY_BUCKETS_S, then one past the last;
+    # ``cancel_latency_sum_s`` their total).  ``wasted_steps``: denoising steps computed for
+    # requests that then ended aborted or failed.
+    batch_sizes: tuple[tuple[int, int], ...] = ()
+    cancel_latency_counts: tuple[int, ...] = ()
+    cancel_latency_sum_s: float = 0.0
+    wasted_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)

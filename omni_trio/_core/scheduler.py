@@ -158,6 +158,18 @@ class Scheduler:
         ids.extend(s.request_id for s in self._queue)
         return ids
 
+    def queue_position(self, request_id: str) -> int | None:
+        """How many waiting requests the policy would start before this waiting (or
+        preempted) one -- 0: it is next -- or None when it is not waiting.  O(n) (O(n log
+        n) under "priority"), with the order of :meth:`live_request_ids`."""
+        state = self._states.get(request_id)
+        if state is None or state.status not in (_S.WAITING, _S.PREEMPTED):
+            return None
+        for index, waiting in enumerate(self._queue):
+            if waiting.request_id == request_id:
+                return index
+        return None  # pragma: no cover - a waiting state is always in the queue
+
     def pending_finished_request_ids(self) -> list[str]:
         """Terminal requests whose state has not been popped yet."""
         return [rid for rid, s in self._states.items() if s.status.finished]

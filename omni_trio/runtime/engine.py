@@ -478,6 +478,11 @@ class AsyncEngine:
         """(steps done, total steps) of a running request, where the backend tracks it."""
         return self.executor.progress(request_id)
 
+    def queue_position(self, request_id: str) -> int | None:
+        """Waiting requests that start before this waiting one (0: it is next; None when
+        it is not waiting).  No checkpoint; O(waiting)."""
+        return self.scheduler.queue_position(request_id)
+
     def status(self, request_id: str) -> RequestStatus | None:
         """Where an admitted request is in its lifecycle (no checkpoint); None once its state
         is removed (it ended) or for an unknown id."""

@@ -7,6 +7,10 @@ Routes::
     GET    /v1/requests/{id}         where a generation is: queued, running or finished
     DELETE /v1/requests/{id}         abort a queued or running generation
     GET    /v1/files/{id}/content    an image kept for response_format=url
+    POST   /v1/jobs                  a generation in the background: the job, at once (202)
+    GET    /v1/jobs/{id}             the job: status, queue position, progress, result/error
+    GET    /v1/jobs/{id}/events      its events (SSE), resumable with Last-Event-ID
+    DELETE /v1/jobs/{id}             cancel it (idempotent): {"cancelled": true|false}
     GET    /v1/models                the served model
     GET    /health                   200 while the event loop answers (liveness)
     GET    /ready                    200 when every replica is open and healthy, else 503
@@ -105,6 +109,7 @@ from .images import (
     images_response,
     parse_generation_request,
 )
+from .jobs import DEFAULT_JOB_MAX_BYTES, DEFAULT_JOB_TTL_S, Job, JobStore
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServeMetrics
 from .multipart import MultipartError, boundary_of, parse_form
@@ -118,6 +123,7 @@ from .pool import (
     Submission,
 )
 from .pool import new_request_id as _new_request_id
+from .webhooks import PROGRESS_INTERVAL_S, WebhookSender, check_webhook_url
 
 __all__ = [
     "RESPONSE_BYTES_PER_IMAGE",
@@ -128,6 +134,8 @@ __all__ = [
     "ResponseBytes",
     "Scope",
     "Send",
+    "NO_USAGE",
+    "is_openai_sdk",
     "is_valid_request_id",
     "logger_sink",
 ]
@@ -141,6 +149,10 @@ _log = logging.getLogger(__name__)
 _access_log = logging.getLogger("omni_trio.serve.access")
 
 RETRY_AFTER_S = 2
+# DELETE /v1/jobs/{id} waits this long for the aborted job to end before answering.
+JOB_CANCEL_WAIT_S = 5.0
+# A job's event stream sends a comment after this long without an event.
+JOB_KEEPALIVE_S = 15.0
 # After answering without reading the whole body (413, 401...), the rest is read and
 # discarded for at most this long / this many bytes so the client, still sending, can read
 # the answer; then the connection is closed.
@@ -353,6 +365,24 @@ def _partial_targets(previews: int, wanted: int) -> set[int]:
     return {math.ceil((i + 1) * previews / wanted) - 1 for i in range(wanted)}
 
 
+# The ``usage`` of a completed stream event (the SDK's type requires one): a diffusion model
+# counts no tokens, so every count is 0.
+NO_USAGE: dict[str, Any] = {
+    "input_tokens": 0,
+    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+    "output_tokens": 0,
+    "total_tokens": 0,
+}
+
+
+def is_openai_sdk(headers: Mapping[str, Sequence[str]]) -> bool:
+    """Whether a request comes from an official OpenAI SDK (lower-case header names): the
+    generated SDKs send ``X-Stainless-*`` headers and a ``User-Agent`` of ``OpenAI/...``."""
+    if any(name.startswith("x-stainless-") for name in headers):
+        return True
+    return any(agent.lower().startswith("openai/") for agent in headers.get("user-agent", ()))
+
+
 class ImagesApp:
     """The ASGI app (see the module docstring).  Serve it with hypercorn's trio worker in
     the same trio run as ``pool.serve``.
@@ -393,6 +423,11 @@ class ImagesApp:
         log: AccessLog | logging.Logger | None = None,
         progress_interval_s: float = 0.25,
         image_metadata: bool = True,
+        job_ttl_s: float = DEFAULT_JOB_TTL_S,
+        job_max_bytes: int = DEFAULT_JOB_MAX_BYTES,
+        webhook_secret: str | None = None,
+        webhook_hosts: Sequence[str] = (),
+        webhook_progress_interval_s: float | None = None,
     ) -> None:
         self.pool = pool
         self.model_name = model_name
@@ -426,6 +461,37 @@ class ImagesApp:
         # Every image carries its recipe (serve.images.image_metadata); False: none does.
         self.image_metadata = image_metadata
         self._created = int(time.time())
+        self.jobs = JobStore(ttl_s=job_ttl_s, max_bytes=job_max_bytes)
+        self.webhooks = (
+            WebhookSender(
+                webhook_secret.encode(),
+                progress_interval_s=(
+                    PROGRESS_INTERVAL_S
+                    if webhook_progress_interval_s is None
+                    else webhook_progress_interval_s
+                ),
+                on_delivery=metrics.observe_webhook,
+            )
+            if webhook_secret
+            else None
+        )
+        self.webhook_hosts = tuple(webhook_hosts)
+        # The nursery of the jobs' tasks, while serve() runs (None: jobs are refused).
+        self._background: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the app's background work -- the jobs of ``POST /v1/jobs`` and their
+        webhooks -- until cancelled; ``task_status.started()`` once jobs are taken.  While
+        it does not run, ``POST /v1/jobs`` is a 503.  Cancelling it ends every job still
+        running: its request is aborted (as a client's disconnect aborts a generation) and
+        its webhooks stop."""
+        async with trio.open_nursery() as nursery:
+            self._background = nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._background = None
 
     # -- ASGI entry ------------------------------------------------------------------------
 
@@ -622,6 +688,21 @@ class ImagesApp:
                 await self._request_status(ex, send, path.rsplit("/", 1)[1])
             else:
                 await self._cancel(ex, send, path.rsplit("/", 1)[1])
+        elif path == "/v1/jobs":
+            ex.route = path
+            self._allow(ex, "POST")
+            await self._create_job(ex, receive, send, self._base_url(scope))
+        elif path.startswith("/v1/jobs/") and path.count("/") == 3:
+            ex.route = "/v1/jobs/{id}"
+            self._allow(ex, "GET", "DELETE")
+            if ex.method == "GET":
+                await self._job_status(ex, send, path.rsplit("/", 1)[1])
+            else:
+                await self._cancel_job(ex, send, path.rsplit("/", 1)[1])
+        elif path.startswith("/v1/jobs/") and path.endswith("/events") and path.count("/") == 4:
+            ex.route = "/v1/jobs/{id}/events"
+            self._allow(ex, "GET")
+            await self._job_events(ex, receive, send, path.split("/")[3])
         elif path.startswith("/v1/files/") and path.endswith("/content") and path.count("/") == 4:
             ex.route = "/v1/files/{id}/content"
             self._allow(ex, "GET")
@@ -779,6 +860,286 @@ class ImagesApp:
         await self._send_json(
             ex, send, 200, {"id": request_id, "object": "request", "status": "cancelled"}
         )
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def _job_not_found(self, job_id: str) -> ApiError:
+        return ApiError(
+            404, f"No job with id {job_id!r} (unknown or expired)", param="id", code="job_not_found"
+        )
+
+    def _job_body(self, job: Job) -> dict[str, Any]:
+        """The job now: what its task recorded, brought up to date with the engine (the
+        task records only every tick)."""
+        position = None
+        if not job.finished:
+            status = self.pool.status(job.id, owner=job.owner)
+            if status == "running":
+                progress = self.pool.progress(job.id, owner=job.owner)
+                self.jobs.running(job)
+                if progress is not None:
+                    self.jobs.progressed(job, *progress)
+            elif status == "queued" and job.status == "queued":
+                position = self.pool.queue_position(job.id, owner=job.owner)
+        return job.body(position)
+
+    async def _create_job(self, ex: _Exchange, receive: Receive, send: Send, base_url: str) -> None:
+        """``POST /v1/jobs``: admit the generation now (every refusal the generations
+        endpoint makes, made here at once), answer 202 with the job, and run it in the
+        background (:meth:`_run_job`).  ``webhook_url`` (an extension field) asks for
+        webhooks; ``stream`` is refused (a job's events are ``/v1/jobs/{id}/events``)."""
+        content_type = (ex.header("content-type") or "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise ApiError(
+                415,
+                "Content-Type must be application/json",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
+        body = await self._read_body(ex, receive)
+        try:
+            decoded = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(
+                400,
+                f"the request body is not valid JSON ({type(exc).__name__})",
+                code="invalid_json",
+            )
+        webhook_url = decoded.pop("webhook_url", None) if isinstance(decoded, dict) else None
+        if isinstance(decoded, dict) and decoded.get("stream"):
+            raise ApiError(
+                400,
+                "a job does not stream its answer: follow GET /v1/jobs/{id}/events instead",
+                param="stream",
+                code="invalid_value",
+            )
+        parsed = parse_generation_request(
+            decoded, limits=self.limits, default_model=self.model_name
+        )
+        if parsed.ignored_fields:
+            ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))
+        if webhook_url is not None:
+            if self.webhooks is None:
+                raise ApiError(
+                    400,
+                    "this server sends no webhooks (start it with --webhook-secret)",
+                    param="webhook_url",
+                    code="webhooks_disabled",
+                )
+            problem = check_webhook_url(webhook_url, self.webhook_hosts)
+            if problem is not None:
+                raise ApiError(400, problem, param="webhook_url", code="invalid_webhook_url")
+        key = ex.header("idempotency-key")
+        digest = None
+        if key is not None:
+            problem = check_key(key)
+            if problem is not None:
+                raise ApiError(
+                    400, problem, param="Idempotency-Key", code="invalid_idempotency_key"
+                )
+            digest = body_digest(json.loads(body))
+            found = self.jobs.by_key(ex.owner, key)
+            if found is not None:
+                if found[0] != digest:
+                    raise ApiError(
+                        422,
+                        "this Idempotency-Key was used with another request body; use a new "
+                        "key for a new job",
+                        param="Idempotency-Key",
+                        code="idempotency_key_reused",
+                        headers=_NO_RETRY,
+                    )
+                ex.outcome = "replayed"
+                job = found[1]
+                await self._send_json(
+                    ex,
+                    send,
+                    200,
+                    self._job_body(job),
+                    extra=(("Location", f"/v1/jobs/{job.id}"), ("Idempotent-Replayed", "true")),
+                )
+                return
+        nursery = self._background
+        if nursery is None:
+            raise _unavailable("this server runs no jobs right now", "jobs_unavailable")
+        if self.jobs.get(ex.owner, ex.request_id) is not None:
+            raise ApiError(
+                409,
+                f"a job with id {ex.request_id!r} exists",
+                param="X-Request-Id",
+                code="duplicate_request_id",
+                headers=_NO_RETRY,
+            )
+        estimate = self._response_estimate(parsed)
+        if not self.responses.fits(estimate):
+            raise self._memory_full()
+        reservation = self.responses.reserve(estimate)
+        try:
+            submission = self._submit(ex, parsed)
+        except BaseException:
+            reservation.release()
+            raise
+        ex.submitted = True
+        job = self.jobs.create(
+            ex.owner, ex.request_id, webhook_url=webhook_url, key=key, digest=digest
+        )
+        # No checkpoint since the admission: the task owns the request from here on.
+        nursery.start_soon(self._run_job, job, submission, parsed, reservation, base_url)
+        if job.webhook_url is not None and self.webhooks is not None:
+            nursery.start_soon(self.webhooks.follow, job, job.webhook_url)
+        await self._send_json(
+            ex, send, 202, self._job_body(job), extra=(("Location", f"/v1/jobs/{job.id}"),)
+        )
+
+    async def _run_job(
+        self,
+        job: Job,
+        submission: Submission,
+        parsed: ParsedRequest,
+        reservation: Reservation,
+        base_url: str,
+    ) -> None:
+        """Follow a job's request to its end and record it: progress on every tick and
+        preview, then ``completed`` with the generations answer, ``cancelled``, or ``failed``
+        with the error the generations endpoint would have answered.  Cancelled (the app
+        stops), the request is aborted and the job stays as it was."""
+        ex = _Exchange(method="POST", path="/v1/jobs", headers={}, request_id=job.id, client=None)
+        ex.owner, ex.route, ex.submitted = job.owner, "job", True
+        store = self.jobs
+
+        async def never() -> MutableMapping[str, Any]:
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        async def on_tick() -> None:
+            status = self.pool.status(job.id, owner=job.owner)
+            if status == "running":
+                store.running(job)
+                progress = self.pool.progress(job.id, owner=job.owner)
+                if progress is not None:
+                    store.progressed(job, *progress)
+
+        async def on_chunk(output: DiffusionOutput) -> None:
+            store.progressed(job, output.chunk_index + 1, output.total_chunks)
+
+        with reservation:
+            async with submission.stream:
+                err: ApiError | None = None
+                try:
+                    final = await self._follow(ex, submission, parsed, never, on_chunk, on_tick)
+                    if final is None:  # its timeout
+                        err = self._timeout_error(ex, parsed)
+                    elif final.status is not RequestStatus.FINISHED_COMPLETED:
+                        err = self._terminal_error(ex, final, submission)
+                    else:
+                        encoded = await self._encode_all(final.images, parsed, final.seed)
+                        with reservation.hold(sum(len(blob) for blob in encoded)):
+                            result = self._images_body(ex, final, parsed, base_url, encoded)
+                            if job.progress is None:  # too quick for any tick
+                                total = parsed.params.total_steps
+                                store.progressed(job, total, total)
+                            store.finish(job, "completed", result=result)
+                            del result
+                        ex.status = 200
+                except Exception as exc:
+                    _log.exception("job %s failed", job.id)
+                    ex.detail = f"{type(exc).__name__}: {exc}"
+                    err = ApiError(
+                        500,
+                        f"job {job.id} failed inside the server",
+                        type="server_error",
+                        code="internal_error",
+                    )
+                if err is not None:
+                    ex.status = err.status
+                    if err.code == "request_cancelled":
+                        store.finish(job, "cancelled")
+                    else:
+                        store.finish(
+                            job, "failed", error=err.body()["error"], http_status=err.status
+                        )
+                self.metrics.observe_job(job.status)
+                self._finish(ex)
+
+    async def _job_status(self, ex: _Exchange, send: Send, job_id: str) -> None:
+        job = self.jobs.get(ex.owner, job_id)
+        if job is None:
+            raise self._job_not_found(job_id)
+        if job.final is not None:
+            if not self.responses.fits(len(job.final)):
+                raise self._memory_full()
+            await self._send_bytes(ex, send, 200, job.final, "application/json")
+            return
+        await self._send_json(ex, send, 200, self._job_body(job))
+
+    async def _cancel_job(self, ex: _Exchange, send: Send, job_id: str) -> None:
+        """``DELETE /v1/jobs/{id}``: abort a queued or running job and answer once it
+        ended (at most :data:`JOB_CANCEL_WAIT_S`): ``cancelled`` is whether the job ends
+        cancelled -- by this call or an earlier one (idempotent) -- not completed or
+        failed first."""
+        job = self.jobs.get(ex.owner, job_id)
+        if job is None:
+            raise self._job_not_found(job_id)
+        if not job.finished:
+            self.pool.abort(job.id, owner=job.owner, reason="cancelled")
+            with trio.move_on_after(JOB_CANCEL_WAIT_S):
+                while not job.finished:
+                    await job.changed.wait()
+        cancelled = job.status == "cancelled" or not job.finished
+        body = {"id": job.id, "object": "job", "cancelled": cancelled, "status": job.status}
+        await self._send_json(ex, send, 200, body)
+
+    async def _job_events(self, ex: _Exchange, receive: Receive, send: Send, job_id: str) -> None:
+        """``GET /v1/jobs/{id}/events``: the job's events after ``Last-Event-ID`` (all of
+        them without it) from its buffer, then each new one as it comes, until its terminal
+        event went out; a comment every :data:`JOB_KEEPALIVE_S` keeps idle proxies open.
+        Events that fell out of the buffer are told by a ``: <n> events dropped`` comment."""
+        job = self.jobs.get(ex.owner, job_id)
+        if job is None:
+            raise self._job_not_found(job_id)
+        given = ex.header("last-event-id")
+        last = 0
+        if given is not None:
+            if not given.strip().isdigit() or len(given) > 20:
+                raise ApiError(
+                    400,
+                    f"Last-Event-ID must be an event number of this job, got {given!r}",
+                    param="Last-Event-ID",
+                    code="invalid_last_event_id",
+                )
+            last = int(given)
+        ex.sse = True
+        await self._start(ex, send, 200, "text/event-stream", cache="no-cache")
+
+        async def watch_disconnect(scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            ex.status, ex.outcome = DISCONNECTED_STATUS, "disconnected"
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+            while True:
+                changed = job.changed
+                events = job.events_after(last)
+                if events and events[0].id > last + 1:
+                    note = f": {events[0].id - last - 1} events dropped\n\n".encode()
+                    await _send_body(send, note, more_body=True)
+                for event in events:
+                    frame = event.sse()
+                    with self.responses.hold(len(frame)):
+                        await _send_body(send, frame, more_body=True)
+                    del frame
+                    last = event.id
+                if job.finished and last >= job.last_event_id:
+                    break
+                with trio.move_on_after(JOB_KEEPALIVE_S) as idle:
+                    await changed.wait()
+                if idle.cancelled_caught:
+                    await _send_body(send, b": keep-alive\n\n", more_body=True)
+            nursery.cancel_scope.cancel()
+        if ex.outcome != "disconnected":
+            await self._end(send)
 
     async def _file(self, ex: _Exchange, send: Send, file_id: str) -> None:
         found = self.store.get(file_id)
@@ -1078,6 +1439,15 @@ class ImagesApp:
     async def _generate_parsed(
         self, ex: _Exchange, parsed: ParsedRequest, receive: Receive, send: Send, base_url: str
     ) -> None:
+        if parsed.stream and parsed.partial_images and not self.pool.streams_previews:
+            raise ApiError(
+                400,
+                f"partial_images={parsed.partial_images} cannot be honoured: this server's "
+                "engine streams no previews (start it with --streaming, which needs --mode "
+                "step); send partial_images=0",
+                param="partial_images",
+                code="partial_images_unsupported",
+            )
         estimate = self._response_estimate(parsed)
         if not self.responses.fits(estimate):
             raise self._memory_full()
@@ -1291,29 +1661,8 @@ class ImagesApp:
             raise self._terminal_error(ex, final, submission)
         encoded = await self._encode_all(final.images, parsed, final.seed)
         with reservation.hold(sum(len(blob) for blob in encoded)):
-            data: list[dict[str, Any]] = []
-            for blob in encoded:
-                if parsed.response_format == "url":
-                    file_id = self.store.put(blob, parsed.content_type)
-                    url = ImageStore.url_for(base_url, file_id)
-                    data.append({"url": url, "revised_prompt": None})
-                else:
-                    data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
-                del blob  # the loop variable would keep the last image's bytes alive
+            body = self._images_body(ex, final, parsed, base_url, encoded)
             del encoded
-            total_ms = (time.perf_counter() - ex.start) * 1000.0
-            body = images_response(
-                request_id=submission.request_id,
-                model=self.model_name,
-                seed=final.seed,
-                data=data,
-                output_format=parsed.output_format,
-                size=image_size(final.images[0]) if final.images else "auto",
-                metrics=final.metrics,
-                total_ms=total_ms,
-            )
-            del data
-            self.metrics.observe_generation(final.metrics, total_ms, len(body["data"]))
             payload = _json_bytes(body)
             # While the answer is written only its bytes are held: not the JSON tree, and
             # not the decoded images (a stalled reader would keep them for its send timeout).
@@ -1321,6 +1670,40 @@ class ImagesApp:
         if self._keeps_answers(ex):
             ex.answer = payload
         await self._send_bytes(ex, send, 200, payload, "application/json", reservation=reservation)
+
+    def _images_body(
+        self,
+        ex: _Exchange,
+        final: DiffusionOutput,
+        parsed: ParsedRequest,
+        base_url: str,
+        encoded: list[bytes],
+    ) -> dict[str, Any]:
+        """The generations answer for a completed request's ``encoded`` images (consumed:
+        the list is emptied as each goes into the answer or the url store); observed in the
+        metrics."""
+        data: list[dict[str, Any]] = []
+        while encoded:
+            blob = encoded.pop(0)
+            if parsed.response_format == "url":
+                file_id = self.store.put(blob, parsed.content_type)
+                data.append({"url": ImageStore.url_for(base_url, file_id), "revised_prompt": None})
+            else:
+                data.append({"b64_json": encode_b64(blob), "revised_prompt": None})
+            del blob
+        total_ms = (time.perf_counter() - ex.start) * 1000.0
+        body = images_response(
+            request_id=ex.request_id,
+            model=self.model_name,
+            seed=final.seed,
+            data=data,
+            output_format=parsed.output_format,
+            size=image_size(final.images[0]) if final.images else "auto",
+            metrics=final.metrics,
+            total_ms=total_ms,
+        )
+        self.metrics.observe_generation(final.metrics, total_ms, len(data))
+        return body
 
     async def _generate_events(
         self,
@@ -1336,7 +1719,13 @@ class ImagesApp:
         previews, evenly picked), then one ``image_generation.completed`` per image (an
         edit's are named ``image_edit.*``: ``parsed.event_prefix``); any
         failure after the headers went out is an ``error`` event with the envelope.  Images
-        in events are always ``b64_json`` (``response_format`` applies to JSON answers)."""
+        in events are always ``b64_json`` (``response_format`` applies to JSON answers).
+
+        The partial-image and completed events carry every field of the official SDK's
+        stream types (``usage`` included: :data:`NO_USAGE`).  Progress is an event unless
+        the request says ``stream_progress: false`` or, leaving it unset, comes from an
+        OpenAI SDK (:func:`is_openai_sdk`), whose stream types read any other event as a
+        partial image: then it is an SSE comment line, ``: <prefix>.progress {json}``."""
         rid = submission.request_id
         lock = trio.Lock()
         ex.sse = True
@@ -1353,6 +1742,12 @@ class ImagesApp:
                 async with lock:  # one event at a time, whole
                     await _send_body(send, body, more_body=True)
 
+        as_events = (
+            parsed.stream_progress
+            if parsed.stream_progress is not None
+            else not is_openai_sdk(ex.headers)
+        )
+
         async def progress(fallback: tuple[int, int] | None = None) -> None:
             nonlocal last_progress
             current = self.pool.progress(rid, owner=ex.owner) or fallback
@@ -1360,7 +1755,13 @@ class ImagesApp:
                 last_progress = current
                 step, total = current
                 kind = f"{parsed.event_prefix}.progress"
-                await emit(kind, {"type": kind, "id": rid, "step": step, "total": total})
+                data = {"type": kind, "id": rid, "step": step, "total": total}
+                if as_events:
+                    await emit(kind, data)
+                else:  # a comment: every SSE reader skips it, a person reading it sees it
+                    text = f": {kind} {json.dumps(data, separators=(',', ':'))}\n\n"
+                    async with lock:
+                        await _send_body(send, text.encode(), more_body=True)
 
         async def emit_images(kind: str, images: Any, **extra: Any) -> None:
             """One SSE event per image: ``kind`` with the image and the shared fields."""
@@ -1410,7 +1811,7 @@ class ImagesApp:
             await self._end(send)
             return
         await emit_images(
-            f"{parsed.event_prefix}.completed", final.images, usage=None, seed=final.seed
+            f"{parsed.event_prefix}.completed", final.images, usage=NO_USAGE, seed=final.seed
         )
         total_ms = (time.perf_counter() - ex.start) * 1000.0
         self.metrics.observe_generation(final.metrics, total_ms, len(final.images))

@@ -49,6 +49,7 @@ from ..errors import InvalidConfigError
 __all__ = [
     "API_KEYS_ENV",
     "API_KEY_ENV",
+    "WEBHOOK_SECRET_ENV",
     "FLAGS",
     "LOG_FORMATS",
     "LOG_LEVELS",
@@ -60,6 +61,7 @@ __all__ = [
 
 API_KEY_ENV = "OMNI_TRIO_API_KEY"
 API_KEYS_ENV = "OMNI_TRIO_API_KEYS"
+WEBHOOK_SECRET_ENV = "OMNI_TRIO_WEBHOOK_SECRET"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MIB = 1024 * 1024
@@ -174,6 +176,15 @@ class ServeConfig:
     # its answer, and the bytes of answers kept for that (past it the oldest are dropped).
     idempotency_ttl_s: float = 3600.0
     idempotency_max_bytes: int = 64 * MIB
+    # Jobs (POST /v1/jobs): a finished job is kept this long after it ended, all finished
+    # jobs within this many bytes (results and events; the oldest dropped past it).
+    job_ttl_s: float = 3600.0
+    job_max_bytes: int = 256 * MIB
+    # Job webhooks: each call's body signed (HMAC-SHA256) with this secret; None: no
+    # webhooks.  Only to these hosts (empty: any; a webhook is a call to an address a
+    # client chose).
+    webhook_secret: str | None = field(default=None, repr=False)
+    webhook_hosts: tuple[str, ...] = ()
     max_body_bytes: int = 1_000_000
     max_prompt_chars: int = 4000
     max_n: int = 4
@@ -234,6 +245,24 @@ class ServeConfig:
         _check_float("restart_wait_s", self.restart_wait_s, positive=True)
         _check_float("idempotency_ttl_s", self.idempotency_ttl_s, positive=True)
         _check_int("idempotency_max_bytes", self.idempotency_max_bytes, minimum=0)
+        _check_float("job_ttl_s", self.job_ttl_s, positive=True)
+        _check_int("job_max_bytes", self.job_max_bytes, minimum=0)
+        if self.webhook_secret is not None and (
+            not isinstance(self.webhook_secret, str) or not self.webhook_secret
+        ):
+            raise InvalidConfigError(
+                "webhook_secret must be a non-empty string or unset", field="webhook_secret"
+            )
+        hosts = self.webhook_hosts
+        if isinstance(hosts, str):  # the flag: comma-separated
+            hosts = tuple(h.strip() for h in hosts.split(",") if h.strip())
+        if not isinstance(hosts, list | tuple) or not all(
+            isinstance(h, str) and h and h.strip() == h and "/" not in h for h in hosts
+        ):
+            raise InvalidConfigError(
+                "webhook_hosts must be a list of host names", field="webhook_hosts"
+            )
+        object.__setattr__(self, "webhook_hosts", tuple(h.lower() for h in hosts))
         _check_int("max_body_bytes", self.max_body_bytes, minimum=1)
         _check_int("max_upload_bytes", self.max_upload_bytes, minimum=1)
         _check_int("max_upload_pixels", self.max_upload_pixels, minimum=64)
@@ -281,6 +310,7 @@ class ServeConfig:
         for name in (
             "drain_timeout_s",
             "restart_wait_s",
+            "job_ttl_s",
             "url_ttl_s",
             "keep_alive_timeout_s",
             "body_read_timeout_s",
@@ -493,6 +523,9 @@ def _env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     key = environ.get(API_KEY_ENV)
     if key:
         settings["api_key"] = key
+    secret = environ.get(WEBHOOK_SECRET_ENV)
+    if secret:
+        settings["webhook_secret"] = secret
     keys = [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     if keys:
         settings["api_keys"] = keys
@@ -662,6 +695,32 @@ FLAGS: tuple[Flag, ...] = (
         "bytes of answers kept for Idempotency-Key replays (the oldest dropped past it)",
         type=int,
         metavar="N",
+    ),
+    Flag(
+        "--job-ttl",
+        ("job_ttl_s",),
+        "seconds a finished job (POST /v1/jobs) is kept after it ended",
+        type=float,
+        metavar="S",
+    ),
+    Flag(
+        "--job-max-bytes",
+        ("job_max_bytes",),
+        "bytes of finished jobs kept (results and events; the oldest dropped past it)",
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "--webhook-secret",
+        ("webhook_secret",),
+        f"sign job webhooks with this secret and send them (or env {WEBHOOK_SECRET_ENV})",
+        metavar="SECRET",
+    ),
+    Flag(
+        "--webhook-hosts",
+        ("webhook_hosts",),
+        "comma-separated hosts job webhooks may go to (default: any)",
+        metavar="HOSTS",
     ),
     Flag("--max-body-bytes", ("max_body_bytes",), "largest request body", type=int, metavar="N"),
     Flag("--max-prompt-chars", ("max_prompt_chars",), "longest prompt", type=int, metavar="N"),

@@ -501,6 +501,10 @@ class _Daemon:
             max_response_bytes_in_flight=c.max_response_bytes_in_flight,
             log=logging.getLogger("omni_trio.serve.access"),
             image_metadata=c.image_metadata,
+            job_ttl_s=c.job_ttl_s,
+            job_max_bytes=c.job_max_bytes,
+            webhook_secret=c.webhook_secret,
+            webhook_hosts=c.webhook_hosts,
         )
 
     def _http_limits(self) -> HttpLimits:
@@ -550,6 +554,7 @@ class _Daemon:
         self._log_start()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, signals)
+            await nursery.start(app.serve)  # jobs run here (cancelled last, after the pool)
             await nursery.start(partial(serve_watchdog, self.notifier, interval=self.watchdog_s))
             self.notifier.status("starting: binding the HTTP listener")
             try:

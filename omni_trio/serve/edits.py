@@ -48,9 +48,9 @@ _INT_FIELDS = frozenset(
     {"n", "output_compression", "partial_images", "num_inference_steps", "seed", "priority"}
 )
 _NUMBER_FIELDS = frozenset({"timeout", "guidance_scale", "strength"})
-_BOOL_FIELDS = frozenset({"stream"})
+_BOOL_FIELDS = frozenset({"stream", "stream_progress"})
 # What a variation may not be sent (OpenAI's create_variation has none of them).
-_NOT_FOR_VARIATIONS = frozenset({"prompt", "stream", "partial_images", "mask"})
+_NOT_FOR_VARIATIONS = frozenset({"prompt", "stream", "stream_progress", "partial_images", "mask"})
 _IMAGE_NAMES = ("image", "image[]")
 # What JSON would carry: no spaces, underscores, signs other than "-", "nan" or "inf".
 _INTEGER = re.compile(r"-?[0-9]{1,20}")

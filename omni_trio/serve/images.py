@@ -18,7 +18,11 @@ Fields of ``POST /v1/images/generations`` (all optional but ``prompt``; ``null``
     output_format       "png" (default) | "jpeg" | "webp"
     output_compression  int 0..100: JPEG/WebP quality (ignored for PNG)
     user, safety_identifier   str, ignored
-    stream              bool; partial_images int 0..3 (previews streamed before the result)
+    stream              bool; partial_images int 0..3 (previews streamed before the result;
+                        a 400 on a server whose engine streams no previews)
+    stream_progress     bool: step progress as ``<prefix>.progress`` events (default: yes,
+                        but not for an OpenAI SDK client, whose stream types would read them
+                        as partial images: it gets them as SSE comments)
     timeout             seconds > 0: past it the request is aborted (HTTP 504); it is the
                         request's deadline_s, so the engine stops it within one step
     priority            int (lower runs first under --scheduling-policy priority; the
@@ -101,6 +105,7 @@ _KNOWN_FIELDS = frozenset(
         "user",
         "safety_identifier",
         "stream",
+        "stream_progress",
         "partial_images",
         "timeout",
         "priority",
@@ -196,6 +201,8 @@ class ParsedRequest:
     output_compression: int | None = None
     stream: bool = False
     partial_images: int = 0
+    # Progress as events (True), as SSE comments (False), or chosen by the client (None).
+    stream_progress: bool | None = None
     timeout: float | None = None
     ignored_fields: tuple[str, ...] = field(default_factory=tuple)
     # Streaming events are named "<event_prefix>.partial_image", ".completed", ".progress".
@@ -305,6 +312,9 @@ def parse_generation_request(
         if name not in _KNOWN_FIELDS and name not in IGNORED_FIELDS:
             raise _bad(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
     ignored = tuple(sorted(name for name in body if name in IGNORED_FIELDS))
+    if body.get("partial_images") and not body.get("stream"):
+        # Previews exist only in a stream: named as ignored rather than dropped in silence.
+        ignored = tuple(sorted((*ignored, "partial_images")))
 
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("prompt", "prompt is required", "missing_required_parameter")
@@ -331,6 +341,13 @@ def parse_generation_request(
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream", f"stream must be a boolean, got {_type_name(stream)}", "invalid_type")
     partial_images = _int(body, "partial_images", 0, MAX_PARTIAL_IMAGES, 0)
+    stream_progress = body.get("stream_progress")
+    if stream_progress is not None and not isinstance(stream_progress, bool):
+        raise _bad(
+            "stream_progress",
+            f"stream_progress must be a boolean, got {_type_name(stream_progress)}",
+            "invalid_type",
+        )
     timeout = _number(body, "timeout")
     if timeout is not None and timeout <= 0:
         raise _bad("timeout", f"timeout must be > 0 seconds, got {timeout}")
@@ -369,6 +386,7 @@ def parse_generation_request(
         output_compression=compression,
         stream=bool(stream),
         partial_images=partial_images,
+        stream_progress=stream_progress,
         timeout=timeout,
         ignored_fields=ignored,
     )

@@ -40,6 +40,11 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_packing{replica}                  requests computed and still being packed
     omni_trio_worker_state{replica,worker,state}  1 for each worker's current state (starting,
                                                 running, restarting, failed, stopped, ...)
+    omni_trio_batch_size{replica}               histogram: requests per wave / tick dispatched
+    omni_trio_cancel_latency_seconds{replica}   histogram: abort of a request whose compute was
+                                                in flight to the end of that compute
+    omni_trio_wasted_steps_total{replica}       steps computed for requests that then ended
+                                                aborted or failed
 
 ``supervisors/grafana-dashboard.json`` charts these; a test checks that each of its queries
 names a metric this module exports.
@@ -51,10 +56,17 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from .._core.health import CANCEL_LATENCY_BUCKETS_S
 from .._core.messages import RequestMetrics
 
 if TYPE_CHECKING:
@@ -64,7 +76,43 @@ __all__ = ["CONTENT_TYPE", "ENGINE_STATE_VALUES", "ServeMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ENGINE_STATE_VALUES = {"ready": 2, "starting": 1, "restarting": 1}  # anything else: 0
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def _add_batch_sizes(
+    family: HistogramMetricFamily, label: list[str], sizes: Iterable[Iterable[int]]
+) -> None:
+    """One histogram of dispatch sizes from (size, dispatches) pairs."""
+    counts = [0] * (len(BATCH_SIZE_BUCKETS) + 1)
+    total = 0
+    for size, dispatches in (tuple(pair) for pair in sizes):
+        index = next(
+            (i for i, bound in enumerate(BATCH_SIZE_BUCKETS) if size <= bound),
+            len(BATCH_SIZE_BUCKETS),
+        )
+        counts[index] += dispatches
+        total += size * dispatches
+    family.add_metric(label, _cumulative(BATCH_SIZE_BUCKETS, counts), total)
+
+
+def _add_cancel_latency(
+    family: HistogramMetricFamily, label: list[str], stats: dict[str, object]
+) -> None:
+    counts = list(stats.get("cancel_latency_counts") or ())  # type: ignore[call-overload]
+    if len(counts) != len(CANCEL_LATENCY_BUCKETS_S) + 1:
+        counts = [0] * (len(CANCEL_LATENCY_BUCKETS_S) + 1)
+    total = float(stats.get("cancel_latency_sum_s") or 0.0)  # type: ignore[arg-type]
+    family.add_metric(label, _cumulative(CANCEL_LATENCY_BUCKETS_S, counts), total)
+
+
+def _cumulative(bounds: Iterable[float], counts: list[int]) -> list[tuple[str, float]]:
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        buckets.append((floatToGoString(bound), running))
+    return buckets
 
 
 class _PoolCollector(Collector):
@@ -115,10 +163,28 @@ class _PoolCollector(Collector):
             "1 for each worker's current state",
             labels=["replica", "worker", "state"],
         )
+        batch = HistogramMetricFamily(
+            "omni_trio_batch_size",
+            "Requests per dispatched wave (request mode) or tick (step mode)",
+            labels=["replica"],
+        )
+        cancel = HistogramMetricFamily(
+            "omni_trio_cancel_latency_seconds",
+            "Abort of a request whose compute was in flight to the end of that compute",
+            labels=["replica"],
+        )
+        wasted = CounterMetricFamily(
+            "omni_trio_wasted_steps",
+            "Denoising steps computed for requests that then ended aborted or failed",
+            labels=["replica"],
+        )
         for replica in info:
             label = [str(replica["index"])]
             stats = replica["statistics"]
             if stats is not None:
+                _add_batch_sizes(batch, label, stats.get("batch_sizes", ()))
+                _add_cancel_latency(cancel, label, stats)
+                wasted.add_metric(label, stats.get("wasted_steps", 0))
                 waiting += stats["waiting"]
                 running += stats["running"]
                 requeued.add_metric(label, stats.get("requeued", 0))
@@ -152,6 +218,9 @@ class _PoolCollector(Collector):
         yield replica_restarts
         yield requeued
         yield finished
+        yield batch
+        yield cancel
+        yield wasted
         yield packing
         yield workers
 
@@ -229,6 +298,18 @@ class ServeMetrics:
             "written (max_response_bytes_in_flight)",
             registry=r,
         )
+        self.jobs = Counter(
+            "omni_trio_jobs",
+            "Jobs (POST /v1/jobs) that ended, by status (completed, failed, cancelled)",
+            ["status"],
+            registry=r,
+        )
+        self.webhooks = Counter(
+            "omni_trio_webhook_calls",
+            "Webhook calls of jobs by event and outcome (delivered, retry, failed)",
+            ["event", "outcome"],
+            registry=r,
+        )
         if pool is not None:
             r.register(_PoolCollector(pool))
 
@@ -237,6 +318,12 @@ class ServeMetrics:
 
     def observe_abort(self, reason: str) -> None:
         self.aborts.labels(reason=reason).inc()
+
+    def observe_job(self, status: str) -> None:
+        self.jobs.labels(status=status).inc()
+
+    def observe_webhook(self, event: str, outcome: str) -> None:
+        self.webhooks.labels(event=event, outcome=outcome).inc()
 
     def observe_connection_refused(self) -> None:
         self.connections_refused.inc()

@@ -701,6 +701,21 @@ class EnginePool:
             return "queued"
         return "running"
 
+    @property
+    def streams_previews(self) -> bool:
+        """Whether the engines stream preview chunks (step mode with ``streaming_output``):
+        what ``partial_images`` needs."""
+        return self.engine_config.streaming_output
+
+    def queue_position(self, request_id: str, *, owner: str = "") -> int | None:
+        """Requests queued ahead of ``owner``'s waiting request ``request_id`` (public id)
+        on its replica (0: next), or None when it is not waiting (or unknown)."""
+        stream = self._lookup(request_id, owner)
+        if stream is None:
+            return None
+        engine = self._replicas[stream.replica].engine
+        return None if engine is None else engine.queue_position(stream.engine_request_id)
+
     def model_info(self) -> ModelInfo | None:
         """The served model's :class:`ModelInfo`, from the first replica whose worker group
         has started; None while none has."""

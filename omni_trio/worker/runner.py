@@ -281,7 +281,7 @@ class ModelRunner:
 
         if must_stop():
             after = self.abort_marks.steps_after(ids, 0)
-            return _all(ids, aborted=True, steps_after_abort=after), ForwardedBatch()
+            return _all(ids, aborted=True, steps_after_abort=after, step_index=0), ForwardedBatch()
         if any(r.sampling.seed is None for r in requests):
             return _all(
                 ids, error="request reached the runner without a seed", error_type="ValueError"
@@ -329,14 +329,16 @@ class ModelRunner:
             after = marks.steps_after(ids, begun)
         except ForwardStopped:
             after = marks.steps_after(ids, begun)
-            return _all(ids, aborted=True, steps_after_abort=after), ForwardedBatch()
+            # step_index: the steps this forward computed (the engine counts them wasted).
+            stopped = _all(ids, aborted=True, steps_after_abort=after, step_index=begun)
+            return stopped, ForwardedBatch()
         except (CollectiveError, WorkerFatalError):
             raise  # this worker is broken (e.g. its CFG-parallel group), not the requests
         except Exception as exc:  # a request failure, not a runner failure ...
             check_device(self.device, self.faults, exc)  # ... unless the device broke
             log.debug("forward of %s failed", ids, exc_info=True)
             return BatchRunnerOutput.from_list(
-                [RunnerOutput.from_exception(rid, exc) for rid in ids]
+                [RunnerOutput.from_exception(rid, exc, step_index=begun) for rid in ids]
             ), ForwardedBatch()
         finally:
             for rid in ids:
@@ -346,7 +348,11 @@ class ModelRunner:
         items: list[tuple[DiffusionRequest, Sequence[Any]]] = []
         for request, images in zip(requests, raw, strict=True):
             if flags.is_aborted(request.request_id):
-                done.append(RunnerOutput(request.request_id, aborted=True, steps_after_abort=after))
+                done.append(
+                    RunnerOutput(
+                        request.request_id, aborted=True, steps_after_abort=after, step_index=begun
+                    )
+                )
             else:
                 items.append((request, images))
         return BatchRunnerOutput.from_list(done), ForwardedBatch(

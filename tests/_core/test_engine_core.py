@@ -810,3 +810,50 @@ def test_a_reused_id_without_a_deadline_is_not_taken_for_the_one_that_had_it() -
         assert core.expire(now + 1.0) == []
         core.abort(["a"], now + 1.0)
     assert core.next_deadline() is None
+
+
+# -- diffusion accounting ---------------------------------------------------------------------
+
+
+def test_request_mode_counts_wave_sizes_cancel_latency_and_wasted_steps() -> None:
+    core, trace = make(max_num_seqs=2)
+    admit(core, "a", num_inference_steps=10)
+    admit(core, "b", num_inference_steps=10)
+    out = schedule(core, 1.0)
+    core.abort(["a", "b"], 1.5)
+    # The stopped forward says how many steps it computed: all wasted.
+    stopped = result(
+        RunnerOutput("a", aborted=True, step_index=3), RunnerOutput("b", aborted=True, step_index=3)
+    )
+    core.runner_output(out, stopped, 1.52)
+    admit(core, "c", num_inference_steps=10)
+    out = schedule(core, 2.0)
+    failed = RunnerOutput("c", error="boom", error_type="RuntimeError", step_index=4)
+    assert terminals(core.runner_output(out, result(failed), 2.5)) == {"c": S.FINISHED_ERROR}
+    admit(core, "d", num_inference_steps=10)
+    core.abort(["d"], 3.0)  # waiting: no compute to stop, no latency measured
+    stats = core.statistics()
+    assert stats.batch_sizes == ((1, 1), (2, 1))
+    assert stats.wasted_steps == 3 + 3 + 4
+    assert sum(stats.cancel_latency_counts) == 2  # a and b, 20 ms each
+    assert stats.cancel_latency_counts[2] == 2  # the (10 ms, 25 ms] bucket
+    assert stats.cancel_latency_sum_s == pytest.approx(0.04)
+    assert_clean(core, trace)
+
+
+def test_step_mode_counts_applied_steps_and_the_tick_in_flight_as_wasted() -> None:
+    core, trace = make(max_num_seqs=2, step_execution=True)
+    admit(core, "a", num_inference_steps=5)
+    for tick in range(2):
+        out = schedule(core, 1.0 + tick)
+        core.runner_output(
+            out, result(RunnerOutput("a", step_index=tick + 1, finished=False)), 1.1 + tick
+        )
+    out = schedule(core, 3.0)
+    core.abort(["a"], 3.05)  # two steps applied, a third in flight
+    core.runner_output(out, result(RunnerOutput("a", step_index=3, finished=False)), 3.2)
+    stats = core.statistics()
+    assert stats.wasted_steps == 3
+    assert stats.batch_sizes == ((1, 3),)
+    assert stats.cancel_latency_counts[5] == 1  # (100 ms, 250 ms]
+    assert_clean(core, trace)

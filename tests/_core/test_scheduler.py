@@ -128,6 +128,19 @@ def test_capacity_limits_the_wave(cls: SchedulerType) -> None:
 
 
 @both_modes
+def test_queue_position_counts_who_starts_first(cls: SchedulerType) -> None:
+    sched = cls(1, policy="priority")
+    add_all(sched, "a", "b")
+    sched.add_request(make_request("urgent", priority=-1), 0.0)
+    assert [sched.queue_position(r) for r in ("urgent", "a", "b")] == [0, 1, 2]
+    out = sched.schedule(1.0)
+    assert new_ids(out) == ["urgent"]
+    assert sched.queue_position("urgent") is None  # running: not waiting
+    assert [sched.queue_position(r) for r in ("a", "b")] == [0, 1]
+    assert sched.queue_position("unknown") is None
+
+
+@both_modes
 def test_capacity_one_runs_one_at_a_time_in_fifo_order(cls: SchedulerType) -> None:
     sched = cls(1)
     add_all(sched, "a", "b", "c")

@@ -114,6 +114,7 @@ async def run_server(
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)
+        await nursery.start(app.serve)
         binds = await nursery.start(partial(http.serve, shutdown_trigger=trio.sleep_forever))
         try:
             yield Server(binds[0], pool, app, store, metrics, clock, records, http)

@@ -25,9 +25,11 @@ from omni_trio.config import EngineConfig
 from omni_trio.errors import WorkerError
 from omni_trio.models.echo import decode_echo_image
 from omni_trio.serve.app import (
+    NO_USAGE,
     RESPONSE_BYTES_PER_IMAGE,
     RESPONSE_BYTES_PER_PIXEL,
     ImagesApp,
+    is_openai_sdk,
     is_valid_request_id,
     logger_sink,
 )
@@ -372,7 +374,7 @@ async def test_sse_streams_progress_previews_and_the_result(stream_server: Serve
         progress = [(d["step"], d["total"]) for n, d in events if n == "image_generation.progress"]
         assert progress and progress == sorted(progress) and progress[-1][1] == 6
         done = events[-1][1]
-        assert (done["id"], done["seed"], done["usage"]) == ("sse-1", 9, None)
+        assert (done["id"], done["seed"], done["usage"]) == ("sse-1", 9, NO_USAGE)
         assert decode_b64(done["b64_json"])[1] == ("sse-1", 9, 0)
         # previews come before the result
         assert names.index("image_generation.partial_image") < names.index(
@@ -384,7 +386,15 @@ async def test_sse_without_step_previews_still_completes(server: Server) -> None
     with trio.fail_after(CAP_S):
         async with server.client() as client:
             body = {"prompt": "x", "size": "64x64", "num_inference_steps": 2, "stream": True}
-            r, events = await read_events(client, {**body, "partial_images": 3, "n": 2})
+            r, events = await read_events(client, {**body, "n": 2})
+            # Previews asked of a server that streams none: a clear 400, not a silent drop.
+            refused = await client.post(GEN, json={**body, "partial_images": 3})
+            # Outside a stream there is nothing to send them in: named as ignored.
+            plain = await client.post(GEN, json={"prompt": "x", "partial_images": 2})
+        assert_envelope(refused, 400, param="partial_images", code="partial_images_unsupported")
+        assert "--streaming" in refused.json()["error"]["message"]
+        assert plain.status_code == 200
+        assert plain.headers["x-omni-trio-ignored-fields"] == "partial_images"
         assert r.status_code == 200
         completed = [d for n, d in events if n == "image_generation.completed"]
         assert [d["image_index"] for d in completed] == [0, 1]
@@ -392,6 +402,86 @@ async def test_sse_without_step_previews_still_completes(server: Server) -> None
         rid = r.headers["x-request-id"]
         for index, data in enumerate(completed):
             assert decode_b64(data["b64_json"])[1] == (rid, data["seed"], index)
+
+
+def test_openai_sdk_clients_are_told_by_their_headers() -> None:
+    assert is_openai_sdk({"x-stainless-lang": ["python"]})
+    assert is_openai_sdk({"user-agent": ["OpenAI/Python 3.57.0"]})
+    assert not is_openai_sdk({"user-agent": ["python-httpx/0.28.1"]})
+    assert not is_openai_sdk({})
+
+
+async def test_the_sdk_parses_every_stream_event_with_its_own_types(
+    stream_server: Server,
+) -> None:
+    """The official SDK's stream: only its two event types come out, each valid under the
+    SDK's own model (every field it defines, usage included); the partial images are real
+    previews; progress reached the SDK's connection only as SSE comments.  A raw client
+    still gets progress events, and an SDK client that asks for them gets them too."""
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+
+    def call() -> list[Any]:
+        with openai.OpenAI(
+            base_url=f"{stream_server.url}/v1", api_key="unused", max_retries=0, timeout=20
+        ) as client:
+            stream = client.images.generate(
+                model=MODEL,
+                prompt="x",
+                size="64x64",
+                stream=True,
+                partial_images=2,
+                extra_body={"seed": 4, "num_inference_steps": 8},
+            )
+            return list(stream)
+
+    with trio.fail_after(CAP_S):
+        events = await trio.to_thread.run_sync(call)
+        async with stream_server.client() as client:
+            body = {"prompt": "x", "num_inference_steps": 4, "stream": True}
+            sdk_like = {"User-Agent": "OpenAI/Python 3.57.0"}
+            async with client.stream("POST", GEN, json=body, headers=sdk_like) as r:
+                raw = (await r.aread()).decode()
+            _, asked = await read_events(
+                client, {**body, "stream_progress": True}, headers=sdk_like
+            )
+            _, plain = await read_events(client, body)
+    kinds = [type(event) for event in events]
+    assert kinds == [ImageGenPartialImageEvent] * 2 + [ImageGenCompletedEvent], events
+    for index, event in enumerate(events[:2]):
+        checked = ImageGenPartialImageEvent.model_validate(event.model_dump())
+        assert checked.partial_image_index == index
+        assert decode_b64(checked.b64_json)[1][1:] == (4, 0)
+    done = ImageGenCompletedEvent.model_validate(events[-1].model_dump())
+    assert done.usage.total_tokens == 0 and done.size == "64x64"
+    assert decode_b64(done.b64_json)[1][1:] == (4, 0)
+    # The SDK-like connection: progress only as comments, so no event but the result.
+    assert [name for name, _ in parse_sse(raw)] == ["image_generation.completed"]
+    comments = [line for line in raw.splitlines() if line.startswith(": ")]
+    assert comments and all(c.startswith(": image_generation.progress {") for c in comments)
+    assert json.loads(comments[-1].split(" ", 2)[2])["total"] == 4
+    for got in (asked, plain):
+        assert "image_generation.progress" in [name for name, _ in got]
+
+
+async def test_the_sdk_raises_a_mid_stream_error(server: Server) -> None:
+    def call() -> openai.APIError:
+        with openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=20
+        ) as client:
+            stream = client.images.generate(
+                model=MODEL,
+                prompt="x",
+                stream=True,
+                extra_body={"num_inference_steps": LONG, "timeout": 0.3},
+            )
+            with pytest.raises(openai.APIError) as info:
+                list(stream)
+            return info.value
+
+    with trio.fail_after(CAP_S):
+        error = await trio.to_thread.run_sync(call)
+    assert "did not finish within its" in error.message and "aborted" in error.message
+    assert isinstance(error.body, dict) and error.body["code"] == "timeout"
 
 
 async def test_sse_errors_before_the_stream_are_plain_envelopes(stream_server: Server) -> None:

@@ -317,7 +317,13 @@ def test_notify_generate_and_drain(
         f"step_delay_s={STEP_S}",
         "--drain-timeout",
         "30",
-        env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"},
+        "--webhook-hosts",
+        "127.0.0.1",
+        env={
+            "NOTIFY_SOCKET": notify.path,
+            "WATCHDOG_USEC": "400000",
+            "OMNI_TRIO_WEBHOOK_SECRET": "s",
+        },
     )
     line = daemon.wait_listening()
     assert "(model builtin:echo, 1 replica(s))" in line
@@ -344,6 +350,21 @@ def test_notify_generate_and_drain(
         request_id, seed, index = decode_echo_image(Image.open(io.BytesIO(png)))
         assert request_id == response.headers["x-request-id"] == body["id"]
         assert (seed, index) == (7, 0)
+
+        # A job: answered at once, run by the daemon's background work, read back.  Its
+        # webhook host is outside --webhook-hosts: refused, so webhooks are on.
+        job = client.post("/v1/jobs", json={"prompt": "j", "num_inference_steps": 2, "seed": 3})
+        assert job.status_code == 202, job.text
+        deadline = time.monotonic() + 30
+        while (state := client.get(f"/v1/jobs/{job.json()['id']}").json())["status"] != (
+            "completed"
+        ):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        assert state["result"]["seed"] == 3
+        hooked = {"prompt": "j", "webhook_url": "http://example.com/h"}
+        refused = client.post("/v1/jobs", json=hooked)
+        assert refused.json()["error"]["code"] == "invalid_webhook_url", refused.text
 
         # A slow request in flight (60 steps), then SIGTERM.
         thread, result = generate_in_background(daemon, 60)

@@ -170,6 +170,64 @@ def test_requeues_endings_packing_and_worker_states_per_replica() -> None:
     assert s[key] == 1
 
 
+def test_batch_sizes_cancel_latency_and_wasted_steps_per_replica() -> None:
+    stats = {
+        "waiting": 0,
+        "running": 0,
+        "batch_sizes": [[1, 5], [2, 3], [9, 1]],
+        "cancel_latency_counts": [0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+        "cancel_latency_sum_s": 20.05,
+        "wasted_steps": 17,
+    }
+    pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=0, draining=False)
+    s = samples(ServeMetrics(cast(EnginePool, pool)))
+    r0 = ("replica", "0")
+
+    def bucket(name: str, le: str) -> float:
+        return s[(name, (("le", le), r0))]
+
+    assert [bucket("omni_trio_batch_size_bucket", le) for le in ("1.0", "2.0", "8.0", "16.0")] == [
+        5,
+        8,
+        8,
+        9,
+    ]
+    assert s[("omni_trio_batch_size_count", (r0,))] == 9
+    assert s[("omni_trio_batch_size_sum", (r0,))] == 5 + 6 + 9
+    assert bucket("omni_trio_cancel_latency_seconds_bucket", "0.025") == 3
+    assert bucket("omni_trio_cancel_latency_seconds_bucket", "+Inf") == 4
+    assert s[("omni_trio_cancel_latency_seconds_sum", (r0,))] == 20.05
+    assert s[("omni_trio_wasted_steps_total", (r0,))] == 17
+
+
+async def test_a_cancelled_generation_counts_its_wasted_steps_and_cancel_latency() -> None:
+    """A real server: a long generation cancelled mid-run shows up as wasted steps and one
+    cancel latency; the completed one before it as a wave of one."""
+    import trio
+
+    from .conftest import CAP_S, run_server, wait_until
+
+    with trio.fail_after(CAP_S):
+        async with run_server() as server, server.client() as client:
+            body = {"prompt": "p", "size": "64x64", "num_inference_steps": 2}
+            assert (await client.post("/v1/images/generations", json=body)).status_code == 200
+            long = {**body, "num_inference_steps": 200}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    lambda: client.post(
+                        "/v1/images/generations", json=long, headers={"X-Request-Id": "w"}
+                    )
+                )
+                await wait_until(lambda: (server.pool.progress("w") or (0, 0))[0] >= 3)
+                assert (await client.delete("/v1/requests/w")).status_code == 200
+            await wait_until(lambda: server.engine().statistics().wasted_steps > 0)
+            s = samples(server.metrics)
+    r0 = (("replica", "0"),)
+    assert s[("omni_trio_wasted_steps_total", r0)] >= 3
+    assert s[("omni_trio_cancel_latency_seconds_count", r0)] == 1
+    assert s[("omni_trio_batch_size_count", r0)] >= 2
+
+
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count")}
 
 
