@@ -28,6 +28,11 @@ open loop    Poisson arrivals at ``--rate`` requests/s (default: 70 % of the htt
              Latency counts from the scheduled arrival, so a late sender cannot hide queueing.
              Achieved requests/s = completed / max(duration, last completion).
 
+Three more parts (issue #20, :mod:`.serve_api`), on the same server: ``jobs`` (the jobs API
+against the synchronous endpoint), ``replay`` (resuming a job's events after a forced
+disconnect: events lost must be 0) and ``metrics`` (the server with and without its metrics,
+a second server whose metrics record nothing).  ``--parts`` picks what runs (default all).
+
 Reported per part, load and mode: requests/s (min / median / max over rounds), latency p50 /
 p90 / p99 over every completed request, errors by HTTP status (http) or error type (direct);
 pair by pair, http / direct requests/s, and the latency the HTTP path adds per request (http
@@ -104,6 +109,7 @@ HTTP_TIMEOUT_S = 300.0  # per request, for the slowest model at the deepest queu
 DRAIN_S = 30.0
 GENERATIONS = "/v1/images/generations"
 MODES = ("http", "direct")
+PARTS = ("closed", "open", "jobs", "replay", "metrics")
 COLUMNS = [
     "part",
     "load",
@@ -387,7 +393,7 @@ def _http_client(url: str, connections: int | None) -> httpx.AsyncClient:
 
 
 @asynccontextmanager
-async def _open_http_server(config: ServeConfig) -> AsyncIterator[str]:
+async def _open_http_server(config: ServeConfig, *, metrics: bool = True) -> AsyncIterator[str]:
     """The daemon's pool, app and hypercorn (built by the daemon's own code) serving on
     ``config.bind``; yields the bound URL once the replica is warm.  On exit the HTTP server
     is stopped through its shutdown trigger (open connections get hypercorn's graceful
@@ -402,9 +408,14 @@ async def _open_http_server(config: ServeConfig) -> AsyncIterator[str]:
     daemon = _Daemon(config, SystemdNotifier(None), None, sys.stderr)
     pool = EnginePool(config.engine, replicas=config.replicas, max_queue_len=config.max_queue_len)
     app = daemon._build_app(pool)
+    if not metrics:  # the "without" side of the metrics part: nothing is recorded
+        from .serve_api import NullMetrics
+
+        app.metrics = NullMetrics()
     hc = daemon._hypercorn_config()
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)
+        await nursery.start(app.serve)  # the jobs
         binds = await nursery.start(daemon._serve_http, app, hc)
         try:
             yield binds[0] if binds else f"http://{config.bind}"
@@ -494,7 +505,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="per engine worker (default 1)"
     )
+    parser.add_argument(
+        "--parts",
+        type=_parts_arg,
+        default=PARTS,
+        help=f"comma-separated parts to run (default {','.join(PARTS)})",
+    )
+    parser.add_argument(
+        "--replay-jobs", type=int, default=None, help="jobs of the replay part (default 16)"
+    )
     parser.add_argument("--cache-dir", default=None)
+
+
+def _parts_arg(text: str) -> tuple[str, ...]:
+    parts = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}; got {text!r}")
+    return parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -625,8 +653,20 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "quick": args.quick,
         }
     )
-    total = len(plan.concurrency) * plan.repeats + plan.repeats
+    parts = args.parts
+    if "open" in parts and "closed" not in parts and args.rate is None:
+        raise ValueError("--parts open without closed needs --rate")
+    replay_jobs = args.replay_jobs or (3 if args.quick else 16)
+    report.params.update({"parts": list(parts), "replay_jobs": replay_jobs})
+    total = (
+        (len(plan.concurrency) * plan.repeats if "closed" in parts else 0)
+        + (plan.repeats if "open" in parts else 0)
+        + len({"jobs", "replay", "metrics"} & set(parts))
+    )
     results: dict[str, Any] = {}
+    closed: dict[int, Rounds] = {}
+    opened: Rounds | None = None
+    rate, source = 0.0, ""
     # The plain engine first: a bad model fails here with its own error, before the server.
     async with open_engine(plan.engine) as engine, _open_http_server(config) as url:
         report.params["url"] = url
@@ -635,32 +675,136 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             _access_log_to_devnull(),
             Progress(total, "serve", enabled=not args.no_progress) as bar,
         ):
-            closed = await _closed_part(plan, url, direct, bar)
-            top_http = closed[plan.concurrency[-1]][0]
-            rate, source = open_loop_rate(args.rate, [r.requests_per_s for r in top_http])
-            if source != "given":
-                source += f" (http, C={plan.concurrency[-1]})"
-            opened = await _open_part(plan, url, direct, rate, bar)
-    results["closed_loop"] = {
-        str(c): _add_rows(report, "closed", f"C={c}", *rounds) for c, rounds in closed.items()
-    }
-    entry = _add_rows(report, "open", f"{rate:.3g}/s Poisson", *opened)
-    entry.update(
-        {
-            "rate_per_s": rate,
-            "rate_source": source,
-            "duration_s": plan.duration_s,
-            "offered_per_round": [h.requests for h in opened[0]],
+            if "closed" in parts:
+                closed = await _closed_part(plan, url, direct, bar)
+            if "open" in parts:
+                top_http = closed[plan.concurrency[-1]][0] if closed else []
+                rate, source = open_loop_rate(args.rate, [r.requests_per_s for r in top_http])
+                if source != "given":
+                    source += f" (http, C={plan.concurrency[-1]})"
+                opened = await _open_part(plan, url, direct, rate, bar)
+            api = await _api_parts(plan, parts, url, config, replay_jobs, bar)
+    if closed:
+        results["closed_loop"] = {
+            str(c): _add_rows(report, "closed", f"C={c}", *rounds) for c, rounds in closed.items()
         }
-    )
-    results["open_loop"] = entry
+    if opened is not None:
+        entry = _add_rows(report, "open", f"{rate:.3g}/s Poisson", *opened)
+        entry.update(
+            {
+                "rate_per_s": rate,
+                "rate_source": source,
+                "duration_s": plan.duration_s,
+                "offered_per_round": [h.requests for h in opened[0]],
+            }
+        )
+        results["open_loop"] = entry
+        report.notes.append(
+            f"open loop at {rate:.4g} requests/s ({source}), {plan.duration_s:g} s per mode "
+            "and round"
+        )
+    results.update(_api_rows(report, api, plan))
     report.results = results
-    report.notes.append(
-        f"open loop at {rate:.4g} requests/s ({source}), {plan.duration_s:g} s per mode and round"
-    )
-    for c, closed_entry in results["closed_loop"].items():
+    for c, closed_entry in results.get("closed_loop", {}).items():
         _note_breakdown(report, f"closed C={c}", closed_entry)
-    _note_breakdown(report, "open", entry)
+    if "open_loop" in results:
+        _note_breakdown(report, "open", results["open_loop"])
+
+
+async def _api_parts(
+    plan: _Plan,
+    parts: Sequence[str],
+    url: str,
+    config: ServeConfig,
+    replay_jobs: int,
+    bar: Progress,
+) -> dict[str, Any]:
+    """The jobs, replay and metrics parts (:mod:`.serve_api`) that ``parts`` names."""
+    from . import serve_api
+
+    concurrency = plan.concurrency[-1]
+    rounds = {"requests": plan.requests, "concurrency": concurrency, "repeats": plan.repeats}
+    out: dict[str, Any] = {}
+    async with _http_client(url, concurrency) as client:
+        if "jobs" in parts:
+            out["jobs"] = await serve_api.compare(
+                {
+                    "sync": _http_call(client, plan.body),
+                    "job": serve_api.job_call(client, plan.body),
+                },
+                warmup=plan.warmup,
+                **rounds,
+            )
+            bar.advance()
+        if "replay" in parts:
+            # Long enough for several progress ticks (0.25 s apart) per job.
+            steps = min(config.max_steps, plan.body["num_inference_steps"] * 50)
+            body = {**plan.body, "num_inference_steps": steps}
+            out["replay"] = await serve_api.replay_probe(client, body, replay_jobs)
+            bar.advance()
+        if "metrics" in parts:
+            async with (
+                _open_http_server(config, metrics=False) as bare_url,
+                _http_client(bare_url, concurrency) as bare,
+            ):
+                out["metrics"] = await serve_api.compare(
+                    {
+                        "with": _http_call(client, plan.body),
+                        "without": _http_call(bare, plan.body),
+                    },
+                    warmup=plan.warmup,
+                    **rounds,
+                )
+            bar.advance()
+    return out
+
+
+def _api_rows(report: Report, api: dict[str, Any], plan: _Plan) -> dict[str, Any]:
+    from .serve_api import summaries
+
+    results: dict[str, Any] = {}
+    load = f"C={plan.concurrency[-1]}"
+    for part in ("jobs", "metrics"):
+        if part not in api:
+            continue
+        entry = summaries(api[part])
+        results[part] = entry
+        first, second = list(api[part])
+        for mode in (first, second):
+            figures = entry[mode]
+            latency = figures["latency_ms"]
+            is_second = mode == second
+            ratio = entry.get("requests_per_s_ratio")
+            difference = entry.get("p50_difference_ms")
+            report.rows.append(
+                {
+                    "part": part,
+                    "load": load,
+                    "mode": mode,
+                    "requests/s min / med / max": figures["requests_per_s"].spread("{:.1f}"),
+                    "latency ms p50 / p90 / p99": latency.tail("{:.1f}") if latency else "-",
+                    "errors": format_errors(figures["errors"], figures["unfinished"]),
+                    "http / direct req/s min / med / max": (
+                        f"{ratio:.3f} (/ {first})" if is_second and ratio is not None else "-"
+                    ),
+                    "added ms (p50)": (
+                        f"{difference:.2f}" if is_second and difference is not None else "-"
+                    ),
+                }
+            )
+            if figures["failed"]:
+                report.notes.append(
+                    f"{part} {mode}: {figures['failed']} requests failed "
+                    f"({format_errors(figures['errors'], 0)})"
+                )
+    if "replay" in api:
+        replay = results["replay"] = api["replay"]
+        report.notes.append(
+            f"replay: {replay['jobs']} jobs, {replay['events']} events, one forced disconnect "
+            f"each; events lost {replay['events_lost']} (target 0), seen twice "
+            f"{replay['events_seen_twice']}, jobs not completed {len(replay['failed'])}"
+        )
+    return results
 
 
 Rounds = tuple[list[LoadResult], list[LoadResult]]  # (http runs, direct runs), round by round

@@ -12,6 +12,7 @@ Routes::
     GET    /v1/jobs/{id}/events      its events (SSE), resumable with Last-Event-ID
     DELETE /v1/jobs/{id}             cancel it (idempotent): {"cancelled": true|false}
     GET    /v1/models                the served model
+    GET    /openapi.json             this API as an OpenAPI 3.1 document (api_spec.py)
     GET    /health                   200 while the event loop answers (liveness)
     GET    /ready                    200 when every replica is open and healthy, else 503
     GET    /metrics                  Prometheus text exposition
@@ -85,6 +86,7 @@ from ..errors import (
     EngineDeadError,
     InvalidRequestError,
 )
+from .api_spec import openapi_document
 from .config import MIB
 from .edits import form_digest, parse_edit_form
 from .http import HEAD_MAX_BYTES, SEND_CHUNK, SEND_DEADLINE, SendDeadline
@@ -711,6 +713,11 @@ class ImagesApp:
             ex.route = path
             self._allow(ex, "GET")
             await self._models(ex, send)
+        elif path == "/openapi.json":
+            ex.route = path
+            self._allow(ex, "GET")
+            document = openapi_document(self.limits, self.model_name)
+            await self._send_json(ex, send, 200, document)
         elif path == "/health":
             ex.route = path
             self._allow(ex, "GET")

@@ -38,19 +38,19 @@ from typing import Any
 
 import numpy as np
 
+from .api_spec import EDIT_FIELDS, GENERATION_FIELDS, NOT_FOR_VARIATIONS
 from .images import ApiError, ParsedRequest, ServeLimits, parse_generation_request
 from .multipart import MultipartError, Part, fields
 from .uploads import UploadError, as_mask, as_rgb, decode_upload, mask_from_alpha
 
 __all__ = ["form_digest", "parse_edit_form"]
 
-_INT_FIELDS = frozenset(
-    {"n", "output_compression", "partial_images", "num_inference_steps", "seed", "priority"}
-)
-_NUMBER_FIELDS = frozenset({"timeout", "guidance_scale", "strength"})
-_BOOL_FIELDS = frozenset({"stream", "stream_progress"})
+_SPECS = (*GENERATION_FIELDS, *EDIT_FIELDS)
+_INT_FIELDS = frozenset(f.name for f in _SPECS if f.type == "integer")
+_NUMBER_FIELDS = frozenset(f.name for f in _SPECS if f.type == "number")
+_BOOL_FIELDS = frozenset(f.name for f in _SPECS if f.type == "boolean")
 # What a variation may not be sent (OpenAI's create_variation has none of them).
-_NOT_FOR_VARIATIONS = frozenset({"prompt", "stream", "stream_progress", "partial_images", "mask"})
+_NOT_FOR_VARIATIONS = frozenset(NOT_FOR_VARIATIONS)
 _IMAGE_NAMES = ("image", "image[]")
 # What JSON would carry: no spaces, underscores, signs other than "-", "nan" or "inf".
 _INTEGER = re.compile(r"-?[0-9]{1,20}")

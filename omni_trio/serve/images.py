@@ -58,6 +58,7 @@ from typing import Any
 
 from .._core.messages import RequestMetrics
 from .._core.request import SamplingParams
+from .api_spec import GENERATION_FIELDS, MAX_SEED, bounds
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -77,12 +78,8 @@ __all__ = [
     "pil_save_options",
 ]
 
-IGNORED_FIELDS = frozenset(
-    {"quality", "style", "background", "moderation", "input_fidelity", "complexity"}
-)
+IGNORED_FIELDS = frozenset(f.name for f in GENERATION_FIELDS if f.ignored)
 IGNORED_FIELDS_HEADER = "X-Omni-Trio-Ignored-Fields"
-MAX_SEED = 2**32 - 1
-MAX_PARTIAL_IMAGES = 3
 OUTPUT_FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 RESPONSE_FORMATS = ("b64_json", "url")
 DEFAULT_QUALITY = 95
@@ -93,28 +90,7 @@ DEFAULT_QUALITY = 95
 MAX_METADATA_FIELD_CHARS = 4096
 MAX_METADATA_VALUE_CHARS = 16_000
 _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")
-_KNOWN_FIELDS = frozenset(
-    {
-        "prompt",
-        "model",
-        "n",
-        "size",
-        "response_format",
-        "output_format",
-        "output_compression",
-        "user",
-        "safety_identifier",
-        "stream",
-        "stream_progress",
-        "partial_images",
-        "timeout",
-        "priority",
-        "num_inference_steps",
-        "guidance_scale",
-        "negative_prompt",
-        "seed",
-    }
-)
+_KNOWN_FIELDS = frozenset(f.name for f in GENERATION_FIELDS if not f.ignored)
 
 
 class ApiError(Exception):
@@ -330,17 +306,17 @@ def parse_generation_request(
             param="model",
             code="model_not_found",
         )
-    n = _int(body, "n", 1, limits.max_n, 1)
+    n = _int(body, "n", *bounds("n", limits), 1)
     width, height = _size(body.get("size"), limits)
     response_format = _choice(body, "response_format", RESPONSE_FORMATS, "b64_json")
     output_format = _choice(body, "output_format", tuple(OUTPUT_FORMATS), "png")
-    compression = _int(body, "output_compression", 0, 100, None)
+    compression = _int(body, "output_compression", *bounds("output_compression", limits), None)
     _str(body, "user")
     _str(body, "safety_identifier")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream", f"stream must be a boolean, got {_type_name(stream)}", "invalid_type")
-    partial_images = _int(body, "partial_images", 0, MAX_PARTIAL_IMAGES, 0)
+    partial_images = _int(body, "partial_images", *bounds("partial_images", limits), 0)
     stream_progress = body.get("stream_progress")
     if stream_progress is not None and not isinstance(stream_progress, bool):
         raise _bad(
@@ -352,14 +328,14 @@ def parse_generation_request(
     if timeout is not None and timeout <= 0:
         raise _bad("timeout", f"timeout must be > 0 seconds, got {timeout}")
 
-    steps = _int(body, "num_inference_steps", 1, limits.max_steps, None)
+    steps = _int(body, "num_inference_steps", *bounds("num_inference_steps", limits), None)
     guidance = _number(body, "guidance_scale")
     if guidance is not None and guidance < 0:
         raise _bad("guidance_scale", f"guidance_scale must be >= 0, got {guidance}")
     negative = _str(body, "negative_prompt", limits.max_prompt_chars)
-    seed = _int(body, "seed", 0, MAX_SEED, None)
+    seed = _int(body, "seed", *bounds("seed", limits), None)
     # The range is the engine's (min_priority..max_priority), checked at admission.
-    priority = _int(body, "priority", -(2**31), 2**31 - 1, None)
+    priority = _int(body, "priority", *bounds("priority", limits), None)
 
     changes: dict[str, Any] = {
         "height": height,

@@ -254,5 +254,24 @@ def test_serve_quick(tmp_path: Path, cache_dir: Path) -> None:
     open_loop = results["open_loop"]
     assert open_loop["rate_per_s"] > 0 and open_loop["rate_source"].startswith("70% of ")
     assert open_loop["http"]["requests"] == open_loop["direct"]["requests"]
-    assert [r["mode"] for r in data["rows"]] == ["http", "direct", "http", "direct"]
+    modes = [(r["part"], r["mode"]) for r in data["rows"]]
+    assert modes == [
+        ("closed", "http"),
+        ("closed", "direct"),
+        ("open", "http"),
+        ("open", "direct"),
+        ("jobs", "sync"),
+        ("jobs", "job"),
+        ("metrics", "with"),
+        ("metrics", "without"),
+    ]
+    for part, modes_of in (("jobs", ("sync", "job")), ("metrics", ("with", "without"))):
+        for mode in modes_of:
+            figures = results[part][mode]
+            assert figures["failed"] == 0 and figures["completed"] == figures["requests"] > 0
+        assert isinstance(results[part]["p50_difference_ms"], float)
+        assert results[part]["requests_per_s_ratio"] > 0
+    replay = results["replay"]
+    assert replay["jobs"] == 3 and replay["events"] >= 3 * 4 and replay["reconnects"] == 3
+    assert replay["events_lost"] == replay["events_seen_twice"] == 0 and replay["failed"] == []
     assert "| part" in out

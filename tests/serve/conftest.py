@@ -181,3 +181,50 @@ async def wait_until(predicate: Callable[[], bool], interval: float = 0.01) -> N
     """Poll ``predicate`` (real threads run the model: there is no event to wait on)."""
     while not predicate():  # noqa: ASYNC110
         await trio.sleep(interval)
+
+
+# -- a webhook receiver ---------------------------------------------------------------------
+
+
+@dataclass
+class Receiver:
+    """Records every call; answers ``503`` to the first ``fail[event]`` calls of an event."""
+
+    fail: dict[str, int] = field(default_factory=dict)
+    calls: list[tuple[dict[str, str], bytes, float]] = field(default_factory=list)
+    url: str = ""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        self.calls.append((headers, b"".join(chunks), trio.current_time()))
+        event = headers.get("x-omni-trio-event", "")
+        status = 200
+        if self.fail.get(event, 0) > 0:
+            self.fail[event] -= 1
+            status = 503
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def events(self) -> list[str]:
+        return [h["x-omni-trio-event"] for h, _, _ in self.calls]
+
+
+@asynccontextmanager
+async def receiving(receiver: Receiver) -> AsyncIterator[Receiver]:
+    limits = HttpLimits(graceful_timeout_s=1.0)
+    server = HttpServer(receiver, limits.hypercorn_config(["127.0.0.1:0"]), limits)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(server.serve, shutdown_trigger=trio.sleep_forever))
+        receiver.url = f"{binds[0]}/hook"
+        try:
+            yield receiver
+        finally:
+            nursery.cancel_scope.cancel()

@@ -18,7 +18,15 @@ from PIL import Image
 
 from omni_trio.models.echo import decode_echo_image
 from omni_trio.serve.jobs import JobStore
-from tests.serve.conftest import CAP_S, Server, assert_envelope, parse_sse, run_server, wait_until
+from omni_trio.serve.webhooks import sign
+from tests.serve.conftest import (
+    CAP_S,
+    Server,
+    assert_envelope,
+    parse_sse,
+    run_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
@@ -325,24 +333,49 @@ async def test_a_server_that_runs_no_jobs_says_503(server: Server) -> None:
     assert other.pool.in_flight == 0
 
 
-async def test_a_job_lives_through_a_sigkilled_tractor_worker() -> None:
-    """The worker process dies mid-job: the engine restarts its group and runs the job
-    again (same seed, same picture); the job completes and its events say so."""
+async def test_a_job_its_events_and_its_webhook_live_through_a_sigkilled_worker() -> None:
+    """The tractor worker process dies mid-job: the engine restarts its group and runs the
+    job again (same seed, same picture).  The job completes; a follower that lost its
+    connection across the restart resumes with Last-Event-ID and misses nothing; the webhook
+    still gets the end, signed."""
+    from tests.serve.test_webhooks import Receiver, receiving
+
     with trio.fail_after(60):
         async with (
+            receiving(Receiver()) as hook,
             run_server(
-                backend="tractor", worker_start_method="forkserver", worker_restart_backoff_s=0.5
+                backend="tractor",
+                worker_start_method="forkserver",
+                worker_restart_backoff_s=0.5,
+                app_options={"webhook_secret": "s3cret"},
             ) as server,
             server.client() as client,
         ):
-            r = await submit(client, seed=7, num_inference_steps=60, headers={"X-Request-Id": "k"})
+            r = await submit(
+                client,
+                seed=7,
+                num_inference_steps=60,
+                webhook_url=hook.url,
+                headers={"X-Request-Id": "k"},
+            )
             assert r.status_code == 202
             await wait_until(lambda: (server.pool.progress("k") or (0, 0))[0] >= 2)
+            seen: list[int] = []
+            async with client.stream("GET", f"{JOBS}/k/events") as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("id: "):
+                        seen.append(int(line[4:]))
+                        break  # the follower's connection drops at the kill
             (pid,) = server.engine().executor.worker_pids().values()  # type: ignore[attr-defined]
             os.kill(pid, signal.SIGKILL)
-            text = await read_events(client, "k")
+            rest = await read_events(client, "k", **{"Last-Event-ID": str(seen[-1])})
+            whole = await read_events(client, "k")
             body = (await client.get(f"{JOBS}/k")).json()
+            await wait_until(lambda: "job.completed" in hook.events())
             restarts = server.engine().health().restarts
-    assert parse_sse(text)[-1][0] == "job.completed", text[-500:]
+    assert parse_sse(rest)[-1][0] == "job.completed", rest[-500:]
+    assert seen + event_ids(rest) == event_ids(whole)
     assert body["status"] == "completed" and image_of(body) == ("k", 7, 0)
     assert restarts == 1
+    headers, raw, _ = hook.calls[-1]
+    assert headers["x-omni-trio-signature-256"] == sign(b"s3cret", raw)

@@ -8,18 +8,19 @@ import hashlib
 import hmac
 import itertools
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
 
 import pytest
 import trio
 
-from omni_trio.serve.http import HttpLimits, HttpServer
 from omni_trio.serve.webhooks import SIGNATURE_HEADER, check_webhook_url, sign
-from tests.serve.conftest import CAP_S, assert_envelope, run_server, wait_until
+from tests.serve.conftest import (
+    CAP_S,
+    Receiver,
+    assert_envelope,
+    receiving,
+    run_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
@@ -39,50 +40,6 @@ def test_the_signature_is_hmac_sha256_of_the_body() -> None:
     body = b'{"a":1}'
     expected = hmac.new(b"k", body, hashlib.sha256).hexdigest()
     assert sign(b"k", body) == f"sha256={expected}"
-
-
-@dataclass
-class Receiver:
-    """Records every call; answers ``503`` to the first ``fail[event]`` calls of an event."""
-
-    fail: dict[str, int] = field(default_factory=dict)
-    calls: list[tuple[dict[str, str], bytes, float]] = field(default_factory=list)
-    url: str = ""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        self.calls.append((headers, b"".join(chunks), trio.current_time()))
-        event = headers.get("x-omni-trio-event", "")
-        status = 200
-        if self.fail.get(event, 0) > 0:
-            self.fail[event] -= 1
-            status = 503
-        await send({"type": "http.response.start", "status": status, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    def events(self) -> list[str]:
-        return [h["x-omni-trio-event"] for h, _, _ in self.calls]
-
-
-@asynccontextmanager
-async def receiving(receiver: Receiver) -> AsyncIterator[Receiver]:
-    limits = HttpLimits(graceful_timeout_s=1.0)
-    server = HttpServer(receiver, limits.hypercorn_config(["127.0.0.1:0"]), limits)
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(server.serve, shutdown_trigger=trio.sleep_forever))
-        receiver.url = f"{binds[0]}/hook"
-        try:
-            yield receiver
-        finally:
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_job_calls_its_webhook_signed_rate_limited_and_retried() -> None:
