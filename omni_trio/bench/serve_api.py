@@ -22,12 +22,10 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..serve.metrics import ServeMetrics
-from .serve import LoadResult, Outcome, closed_loop, mode_summary
+from .load import Call, LoadResult, Outcome, closed_loop, mode_summary
 
 if TYPE_CHECKING:
     import httpx
-
-    from .serve import Call
 
 __all__ = ["NullMetrics", "compare", "job_call", "replay_probe"]
 

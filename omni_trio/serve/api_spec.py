@@ -27,6 +27,7 @@ __all__ = [
     "MAX_SEED",
     "Endpoint",
     "FieldSpec",
+    "ServeLimits",
     "api_markdown",
     "bounds",
     "field_named",
@@ -39,9 +40,39 @@ MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """Hard limits of the HTTP API, checked before anything reaches an engine (whose own
+    ``EngineConfig`` limits still apply after these)."""
+
+    max_body_bytes: int = 1_000_000
+    max_prompt_chars: int = 4000
+    max_n: int = 4
+    max_pixels: int = 1024 * 1024
+    max_steps: int = 200
+    # POST /v1/images/edits and /variations: the whole multipart body, and each picture's
+    # width * height as its file says (checked before it is decoded).
+    max_upload_bytes: int = 16 * 1024 * 1024
+    max_upload_pixels: int = 4096 * 4096
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_body_bytes",
+            "max_prompt_chars",
+            "max_n",
+            "max_pixels",
+            "max_steps",
+            "max_upload_bytes",
+            "max_upload_pixels",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class FieldSpec:
     """One request field.  ``minimum`` / ``maximum`` are numbers or the name of a
-    :class:`~omni_trio.serve.images.ServeLimits` attribute (the server's limit);
+    :class:`ServeLimits` attribute (the server's limit);
     ``exclusive_minimum`` makes the minimum exclusive.  ``ignored``: accepted and ignored
     (named in ``X-Omni-Trio-Ignored-Fields``); ``extension``: not in OpenAI's API."""
 
@@ -214,12 +245,12 @@ def field_named(name: str, fields: Sequence[FieldSpec] = GENERATION_FIELDS) -> F
     raise KeyError(name)
 
 
-def _limit(value: int | float | str | None, limits: Any) -> Any:
+def _limit(value: int | float | str | None, limits: ServeLimits) -> Any:
     return getattr(limits, value) if isinstance(value, str) else value
 
 
 def bounds(
-    name: str, limits: Any, fields: Sequence[FieldSpec] = GENERATION_FIELDS
+    name: str, limits: ServeLimits, fields: Sequence[FieldSpec] = GENERATION_FIELDS
 ) -> tuple[Any, Any]:
     """``(minimum, maximum)`` of field ``name`` under ``limits`` (None: unbounded)."""
     spec = field_named(name, fields)
@@ -438,7 +469,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
 # -- the OpenAPI document ------------------------------------------------------------------
 
 
-def _schema(spec: FieldSpec, limits: Any) -> dict[str, Any]:
+def _schema(spec: FieldSpec, limits: ServeLimits) -> dict[str, Any]:
     if spec.type == "file":
         return {"type": "string", "format": "binary", "description": spec.description}
     schema: dict[str, Any] = {"type": spec.type, "description": spec.description}
@@ -462,7 +493,7 @@ def _schema(spec: FieldSpec, limits: Any) -> dict[str, Any]:
     return schema
 
 
-def _object(fields: Sequence[FieldSpec], limits: Any) -> dict[str, Any]:
+def _object(fields: Sequence[FieldSpec], limits: ServeLimits) -> dict[str, Any]:
     return {
         "type": "object",
         "additionalProperties": False,
@@ -483,8 +514,8 @@ def request_fields(kind: str) -> tuple[FieldSpec, ...]:
     return base
 
 
-def openapi_document(limits: Any, model_name: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the API under ``limits`` (a ``ServeLimits``)."""
+def openapi_document(limits: ServeLimits, model_name: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the API under ``limits``."""
     error = {
         "type": "object",
         "properties": {
@@ -564,7 +595,7 @@ def _cell(text: str) -> str:
     return text.replace("\\|", "|").replace("|", "\\|")
 
 
-def _range(spec: FieldSpec, limits: Any) -> str:
+def _range(spec: FieldSpec, limits: ServeLimits) -> str:
     low, high = _limit(spec.minimum, limits), _limit(spec.maximum, limits)
     parts = []
     if spec.enum:
@@ -577,7 +608,7 @@ def _range(spec: FieldSpec, limits: Any) -> str:
     return "; ".join(parts) or "-"
 
 
-def _field_table(fields: Sequence[FieldSpec], limits: Any) -> list[str]:
+def _field_table(fields: Sequence[FieldSpec], limits: ServeLimits) -> list[str]:
     lines = ["| field | type | range | default | meaning |", "|---|---|---|---|---|"]
     for spec in fields:
         name = f"`{spec.name}`" + (" (required)" if spec.required else "")
@@ -591,7 +622,7 @@ def _field_table(fields: Sequence[FieldSpec], limits: Any) -> list[str]:
     return lines
 
 
-def api_markdown(limits: Any) -> str:
+def api_markdown(limits: ServeLimits) -> str:
     """``docs/api.md``: the reference page, under ``limits`` (the defaults for the page)."""
     out = [
         "# HTTP API reference",
@@ -659,6 +690,4 @@ def api_markdown(limits: Any) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - the page's generator
-    from .images import ServeLimits
-
     print(api_markdown(ServeLimits()), end="")

@@ -58,7 +58,7 @@ from typing import Any
 
 from .._core.messages import RequestMetrics
 from .._core.request import SamplingParams
-from .api_spec import GENERATION_FIELDS, MAX_SEED, bounds
+from .api_spec import GENERATION_FIELDS, MAX_SEED, ServeLimits, bounds
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -132,36 +132,6 @@ def error_body(
 ) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``, the OpenAI error envelope."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-@dataclass(frozen=True, slots=True)
-class ServeLimits:
-    """Hard limits of the HTTP API, checked before anything reaches an engine (whose own
-    ``EngineConfig`` limits still apply after these)."""
-
-    max_body_bytes: int = 1_000_000
-    max_prompt_chars: int = 4000
-    max_n: int = 4
-    max_pixels: int = 1024 * 1024
-    max_steps: int = 200
-    # POST /v1/images/edits and /variations: the whole multipart body, and each picture's
-    # width * height as its file says (checked before it is decoded).
-    max_upload_bytes: int = 16 * 1024 * 1024
-    max_upload_pixels: int = 4096 * 4096
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_body_bytes",
-            "max_prompt_chars",
-            "max_n",
-            "max_pixels",
-            "max_steps",
-            "max_upload_bytes",
-            "max_upload_pixels",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
