@@ -116,13 +116,13 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServeMetrics
 from .multipart import MultipartError, boundary_of, parse_form
 from .pool import (
-    MAX_RETRY_AFTER_S,
     DrainingError,
     EnginePool,
     NotReadyError,
     QueueFullError,
     QueueWaitError,
     Submission,
+    clamp_retry_after,
 )
 from .pool import new_request_id as _new_request_id
 from .webhooks import PROGRESS_INTERVAL_S, WebhookSender, check_webhook_url
@@ -331,7 +331,7 @@ class _Exchange:
         return values[0] if values else None
 
 
-def _retry_after(seconds: int = RETRY_AFTER_S) -> list[tuple[str, str]]:
+def _retry_after(seconds: int) -> list[tuple[str, str]]:
     return [("Retry-After", str(seconds))]
 
 
@@ -340,8 +340,10 @@ def _retry_after(seconds: int = RETRY_AFTER_S) -> list[tuple[str, str]]:
 _NO_RETRY = (("x-should-retry", "false"),)
 
 
-def _unavailable(message: str, code: str) -> ApiError:
-    return ApiError(503, message, type="server_error", code=code, headers=_retry_after())
+def _unavailable(message: str, code: str, retry_after_s: int) -> ApiError:
+    return ApiError(
+        503, message, type="server_error", code=code, headers=_retry_after(retry_after_s)
+    )
 
 
 def _server_url(scope: Scope) -> str:
@@ -827,7 +829,9 @@ class ImagesApp:
                 words = [w.strip(":(") for w in (reason or "").split()]
                 known = ("starting", "restarting", "draining", "failed", "dead", "closed")
                 reason = next((w for w in words if w in known), "unavailable")
-            raise _unavailable(f"not ready: {reason}", "not_ready")
+            raise _unavailable(
+                f"not ready: {reason}", "not_ready", self.pool.unavailable_retry_after_s()
+            )
         body: dict[str, Any] = {"status": "ready"}
         if detailed:
             body["replicas"] = self.pool.replicas_info()
@@ -968,7 +972,9 @@ class ImagesApp:
                 return
         nursery = self._background
         if nursery is None:
-            raise _unavailable("this server runs no jobs right now", "jobs_unavailable")
+            raise _unavailable(
+                "this server runs no jobs right now", "jobs_unavailable", RETRY_AFTER_S
+            )
         if self.jobs.get(ex.owner, ex.request_id) is not None:
             raise ApiError(
                 409,
@@ -1166,7 +1172,8 @@ class ImagesApp:
             f"their clients (max_response_bytes_in_flight={self.responses.limit}); retry later",
             type="rate_limit_error",
             code="response_memory_full",
-            headers=_retry_after(),
+            # Responses are taken as requests complete: one service time.
+            headers=_retry_after(self.pool.retry_after_s(excess=1)),
         )
 
     def _response_estimate(self, parsed: ParsedRequest) -> int:
@@ -1293,7 +1300,7 @@ class ImagesApp:
             )
         except QueueWaitError as exc:
             # Come back when the queue is short enough: its excess at the measured rate.
-            wait = min(MAX_RETRY_AFTER_S, max(1, math.ceil(exc.estimate_s - exc.limit_s)))
+            wait = clamp_retry_after(exc.estimate_s - exc.limit_s)
             raise ApiError(
                 503,
                 str(exc),
@@ -1303,13 +1310,21 @@ class ImagesApp:
                 headers=_retry_after(wait),
             )
         except DrainingError as exc:
-            raise _unavailable(str(exc), "draining")
+            raise _unavailable(str(exc), "draining", self.pool.restart_retry_after_s())
         except NotReadyError as exc:
-            raise _unavailable(f"not ready: {exc}", "not_ready")
+            raise _unavailable(
+                f"not ready: {exc}", "not_ready", self.pool.unavailable_retry_after_s()
+            )
         except EngineDeadError:
-            raise _unavailable("the engine is dead; the server is restarting", "engine_dead")
+            raise _unavailable(
+                "the engine is dead; the server is restarting",
+                "engine_dead",
+                self.pool.restart_retry_after_s(),
+            )
         except EngineClosedError:
-            raise _unavailable("the engine is closed", "engine_closed")
+            raise _unavailable(
+                "the engine is closed", "engine_closed", self.pool.restart_retry_after_s()
+            )
 
     async def _generate(self, ex: _Exchange, receive: Receive, send: Send, base_url: str) -> None:
         content_type = (ex.header("content-type") or "").split(";", 1)[0].strip().lower()
@@ -1569,13 +1584,27 @@ class ImagesApp:
                 )
             if output.error_type == "EngineClosedError" or reason is not None:
                 why = reason or "the server is shutting down"
-                return _unavailable(f"request {rid} was aborted: {why}", "aborted")
-            return _unavailable(f"request {rid} was aborted", "aborted")
+                return _unavailable(
+                    f"request {rid} was aborted: {why}",
+                    "aborted",
+                    self.pool.unavailable_retry_after_s(),
+                )
+            return _unavailable(
+                f"request {rid} was aborted", "aborted", self.pool.unavailable_retry_after_s()
+            )
         error_type = output.error_type or "Error"
         if error_type == "EngineDeadError":
-            return _unavailable(f"request {rid} failed: its engine died; retry", "engine_dead")
+            return _unavailable(
+                f"request {rid} failed: its engine died; retry",
+                "engine_dead",
+                self.pool.ready_retry_after_s(),
+            )
         if error_type == "EngineClosedError":
-            return _unavailable(f"request {rid} was aborted: the engine closed", "engine_closed")
+            return _unavailable(
+                f"request {rid} was aborted: the engine closed",
+                "engine_closed",
+                self.pool.unavailable_retry_after_s(),
+            )
         if error_type in RETRYABLE_ERROR_TYPES:
             # Its retries on the server are used up; a client may send it again, but the
             # SDKs' automatic retries must not (a failed job is never recomputed unasked).
@@ -1585,7 +1614,7 @@ class ImagesApp:
                 "own retries; it may succeed if sent again",
                 type="server_error",
                 code=error_type,
-                headers=[*_retry_after(), *_NO_RETRY],
+                headers=[*_retry_after(self.pool.ready_retry_after_s()), *_NO_RETRY],
             )
         if error_type == "InvalidRequestError":  # found after admission (its payload)
             return ApiError(

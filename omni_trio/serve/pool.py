@@ -96,6 +96,8 @@ RATE_WINDOW_S = 60.0
 # Retry-After (seconds) without a measured rate, and its bounds with one.
 DEFAULT_RETRY_AFTER_S = 2
 MAX_RETRY_AFTER_S = 60
+# The time to open a replica is the median of this many last opens.
+OPEN_WINDOW = 8
 # The longest a request admitted during a worker restart waits for its replica to be ready.
 DEFAULT_RESTART_WAIT_S = 60.0
 # The abort reason of a request whose restart wait ran out (PooledStream.abort_reason, the
@@ -141,6 +143,36 @@ class ServiceRate:
             return None
         span = now - times[0]
         return (len(times) - 1) / span if span > 0 else None
+
+
+class OpenTime:
+    """How long opening a replica takes (its engine's workers started, the model loaded and
+    warmed up), measured over the last ``window`` opens.  Pure: the caller passes the times."""
+
+    def __init__(self, window: int = OPEN_WINDOW) -> None:
+        self._durations: deque[float] = deque(maxlen=window)
+
+    def record(self, duration_s: float) -> None:
+        """One replica opened in ``duration_s``."""
+        self._durations.append(max(0.0, duration_s))
+
+    def expected_s(self) -> float | None:
+        """The median of the opens measured (None: none yet)."""
+        if not self._durations:
+            return None
+        ordered = sorted(self._durations)
+        middle = len(ordered) // 2
+        if len(ordered) % 2:
+            return ordered[middle]
+        return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def clamp_retry_after(seconds: float) -> int:
+    """``Retry-After`` seconds: ``seconds`` rounded up, at least 1, at most
+    :data:`MAX_RETRY_AFTER_S`."""
+    if not math.isfinite(seconds):
+        return MAX_RETRY_AFTER_S
+    return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
 
 class QueueWaitError(OmniTrioError):
@@ -284,6 +316,8 @@ class _Replica:
     # counts its own); their sum is monotonic, for a Prometheus counter.
     past_worker_restarts: int = 0
     last_failure: str | None = None
+    # When its engine began opening (trio time), while it opens; None once open.
+    opening_since: float | None = None
 
 
 class _StartedAs:
@@ -376,6 +410,7 @@ class EnginePool:
         self.max_queue_len = max_queue_len
         self.max_queue_wait_s = max_queue_wait_s
         self._service = ServiceRate()
+        self._open_time = OpenTime()
         self.restart_policy = restart_policy or RestartPolicy()
         self._trace_factory = trace_factory
         self._replicas = [_Replica(i) for i in range(replicas)]
@@ -446,15 +481,21 @@ class EnginePool:
         :class:`EngineDeadError` when the engine died so the supervisor reopens this replica
         alone.  Cancellation closes the engine (bounded, shielded by the engine)."""
         trace = self._trace_factory(replica.index) if self._trace_factory is not None else None
-        async with open_engine(self.engine_config, trace=trace) as engine:
-            replica.engine = engine
-            try:
-                task_status.started(engine)
-                await engine.wait_ended()
-                health = engine.health()
-            finally:
-                replica.engine = None
-                replica.past_worker_restarts += engine.health().restarts
+        replica.opening_since = began = trio.current_time()
+        try:
+            async with open_engine(self.engine_config, trace=trace) as engine:
+                replica.opening_since = None
+                self._open_time.record(trio.current_time() - began)
+                replica.engine = engine
+                try:
+                    task_status.started(engine)
+                    await engine.wait_ended()
+                    health = engine.health()
+                finally:
+                    replica.engine = None
+                    replica.past_worker_restarts += engine.health().restarts
+        finally:
+            replica.opening_since = None
         replica.last_failure = health.reason
         raise EngineDeadError(f"replica {replica.index}: engine {health.state}: {health.reason}")
 
@@ -583,16 +624,64 @@ class EnginePool:
         rate = self.service_rate()
         return None if rate is None else len(self._active) / rate
 
-    def retry_after_s(self) -> int:
-        """What a refused client should wait before trying again (``Retry-After``): the
-        time for the requests over the limit to be served at the measured rate, at least
-        1 s and at most :data:`MAX_RETRY_AFTER_S`; :data:`DEFAULT_RETRY_AFTER_S` with
-        nothing measured."""
+    def retry_after_s(self, excess: int | None = None) -> int:
+        """What a client refused for load should wait before trying again
+        (``Retry-After``): the time for ``excess`` requests (default: those over
+        ``max_queue_len``, at least one) to be served at the measured rate, at least 1 s and
+        at most :data:`MAX_RETRY_AFTER_S`; :data:`DEFAULT_RETRY_AFTER_S` with nothing
+        measured."""
         rate = self.service_rate()
         if rate is None:
             return DEFAULT_RETRY_AFTER_S
-        excess = max(1, len(self._active) - self.max_queue_len + 1)
-        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess / rate))))
+        if excess is None:
+            excess = len(self._active) - self.max_queue_len + 1
+        return clamp_retry_after(max(1, excess) / rate)
+
+    def open_time_s(self) -> float | None:
+        """How long opening a replica takes, as measured (the median of the last
+        :data:`OPEN_WINDOW` opens; None before the first one)."""
+        return self._open_time.expected_s()
+
+    def ready_retry_after_s(self) -> int:
+        """``Retry-After`` of a 503 for a pool that is not ready (starting, a replica
+        reopening, every worker group restarting): 1 s when a replica is ready; else the
+        soonest a replica should be: one opening since ``t`` is ready at ``t`` plus the
+        measured open time; a worker group restarting, after the engine's restart backoff
+        plus that time (its workers start again, without the warmup's share being known:
+        an upper estimate).  :data:`DEFAULT_RETRY_AFTER_S` before any open was measured;
+        within 1 .. :data:`MAX_RETRY_AFTER_S`."""
+        if self._ready_replicas():
+            return 1
+        expected = self._open_time.expected_s()
+        if expected is None:
+            return DEFAULT_RETRY_AFTER_S
+        now = trio.current_time()
+        soonest: list[float] = []
+        for replica in self._replicas:
+            if replica.opening_since is not None:
+                soonest.append(replica.opening_since + expected - now)
+            elif replica.engine is not None:
+                backoff = self.engine_config.worker_restart_backoff_s
+                soonest.append(backoff + expected)
+        return clamp_retry_after(min(soonest)) if soonest else clamp_retry_after(expected)
+
+    def unavailable_retry_after_s(self) -> int:
+        """``Retry-After`` of a 503 that the pool's state explains:
+        :meth:`restart_retry_after_s` while it drains, after it stopped or gave up;
+        :meth:`ready_retry_after_s` otherwise."""
+        if self._draining or self._stopped or self._dead is not None:
+            return self.restart_retry_after_s()
+        return self.ready_retry_after_s()
+
+    def restart_retry_after_s(self) -> int:
+        """``Retry-After`` of a 503 for a server that is going away (draining, or the pool
+        gave up so the process exits for its OS supervisor to start again): the measured
+        time to open every replica again (they open in turn).  :data:`DEFAULT_RETRY_AFTER_S`
+        before any open was measured."""
+        expected = self._open_time.expected_s()
+        if expected is None:
+            return DEFAULT_RETRY_AFTER_S
+        return clamp_retry_after(expected * self.replicas)
 
     def _check_queue_wait(self, params: SamplingParams) -> None:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or

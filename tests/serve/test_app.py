@@ -38,7 +38,7 @@ from omni_trio.serve.daemon import TextFormatter
 from omni_trio.serve.http import SEND_DEADLINE, SendDeadline
 from omni_trio.serve.images import ImageStore, ServeLimits
 from omni_trio.serve.metrics import ServeMetrics
-from omni_trio.serve.pool import EnginePool
+from omni_trio.serve.pool import EnginePool, clamp_retry_after
 from tests.fakes import ScriptedModel, register_models
 from tests.serve.conftest import (
     CAP_S,
@@ -699,10 +699,14 @@ async def test_ready_and_draining(server: Server) -> None:
             server.pool.start_draining()
             r = await client.get("/ready")
             error = assert_envelope(r, 503, code="not_ready")
-            assert "draining" in error["message"] and r.headers["retry-after"] == "2"
+            # Come back when a restarted server would be up: the measured open time.
+            restart = str(server.pool.restart_retry_after_s())
+            open_s = server.pool.open_time_s()
+            assert open_s is not None and restart == str(clamp_retry_after(open_s))
+            assert "draining" in error["message"] and r.headers["retry-after"] == restart
             r = await generate(client)
             assert_envelope(r, 503, code="draining")
-            assert r.headers["retry-after"] == "2"
+            assert r.headers["retry-after"] == restart
             assert (await client.get("/health")).json() == {"status": "ok"}
 
 
@@ -742,7 +746,10 @@ async def test_a_dying_engine_answers_503_and_its_replica_comes_back() -> None:
             server.engine().executor.fail(WorkerError("killed by the test"))
             await wait_until(lambda: bool(answers))
             assert_envelope(answers[0], 503, code="engine_dead")
-            assert answers[0].headers["retry-after"] == "2"
+            # At most what is left of the measured open time of the replica reopening.
+            open_s = server.pool.open_time_s()
+            assert open_s is not None
+            assert 1 <= int(answers[0].headers["retry-after"]) <= clamp_retry_after(open_s)
             r = await client.get("/ready")
             if r.status_code != 200:  # the replica may already be back
                 assert_envelope(r, 503, code="not_ready")
@@ -1150,7 +1157,8 @@ async def test_a_restart_longer_than_restart_wait_s_is_a_503_with_retry_after() 
             waited = trio.current_time() - posted
             error = assert_envelope(r, 503, code="aborted")
             assert "restart_wait_s" in error["message"], error
-            assert int(r.headers["retry-after"]) >= 1
+            # When the group should be back: its 30 s backoff plus the measured open time.
+            assert int(r.headers["retry-after"]) == server.pool.ready_retry_after_s() > 30
             assert r.headers.get("x-should-retry") != "false"  # the SDKs may retry it
             assert 0.5 <= waited < 5.0, waited
             short = await generate(client, timeout=0.2, headers={"X-Request-Id": "short"})

@@ -31,10 +31,12 @@ from omni_trio.serve.pool import (
     DrainingError,
     EnginePool,
     NotReadyError,
+    OpenTime,
     QueueFullError,
     QueueWaitError,
     ServiceRate,
     Submission,
+    clamp_retry_after,
     engine_request_id,
     new_request_id,
 )
@@ -398,6 +400,83 @@ async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> N
             await final_of(running)
     with pytest.raises(InvalidConfigError, match="max_queue_wait_s"):
         EnginePool(echo_config(), max_queue_wait_s=0)
+
+
+def test_the_open_time_is_the_median_of_the_last_opens() -> None:
+    times = OpenTime(window=4)
+    assert times.expected_s() is None
+    times.record(3.0)
+    assert times.expected_s() == 3.0
+    times.record(1.0)
+    assert times.expected_s() == 2.0  # (1 + 3) / 2
+    for seconds in (10.0, 11.0, 12.0):  # 3.0 leaves the window of 4
+        times.record(seconds)
+    assert times.expected_s() == pytest.approx((10.0 + 11.0) / 2)
+    times.record(-1.0)  # a clock oddity counts as an instant open
+    assert times.expected_s() == pytest.approx((10.0 + 11.0) / 2)
+
+
+def test_retry_after_is_whole_seconds_within_its_bounds() -> None:
+    assert clamp_retry_after(0.0) == 1
+    assert clamp_retry_after(1.2) == 2
+    assert clamp_retry_after(-5.0) == 1
+    assert clamp_retry_after(1e9) == pool_module.MAX_RETRY_AFTER_S
+    assert clamp_retry_after(float("inf")) == pool_module.MAX_RETRY_AFTER_S
+    assert clamp_retry_after(float("nan")) == pool_module.MAX_RETRY_AFTER_S
+
+
+class SlowOpeningExecutor(ScriptedExecutor):
+    """A fake backend whose workers take :data:`OPEN_S` (virtual time) to start."""
+
+    OPEN_S = 4.0
+
+    async def serve(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        await trio.sleep(self.OPEN_S)
+        await super().serve(task_status=task_status)
+
+
+async def test_retry_after_of_an_unready_pool_comes_from_the_measured_open_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Before any open: the default.  A replica opening (its workers take 4 s): what is left
+    of the measured open time.  A worker group restarting: its backoff plus the open time.
+    Ready: 1 s.  Draining: the time to open every replica again."""
+    config = EngineConfig(
+        backend=SlowOpeningExecutor,
+        warmup=False,
+        max_worker_restarts=0,  # the engine dies on a group failure: the replica reopens
+    )
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(config, restart_policy=RestartPolicy(max_restarts=3, backoff_s=0.0))
+        assert pool.open_time_s() is None
+        assert pool.ready_retry_after_s() == pool_module.DEFAULT_RETRY_AFTER_S
+        assert pool.restart_retry_after_s() == pool_module.DEFAULT_RETRY_AFTER_S
+        async with serving(pool):
+            assert pool.open_time_s() == pytest.approx(SlowOpeningExecutor.OPEN_S)
+            assert pool.ready_retry_after_s() == 1
+            engine = pool.replica_engine(0)
+            assert engine is not None
+            engine.executor.fail(WorkerError("killed by the test", worker=0))
+            await wait_until(lambda: pool.replica_engine(0) is None)
+            await trio.sleep(1.0)  # 1 s into the reopen: 3 s left
+            assert not pool.readiness()[0]
+            assert pool.ready_retry_after_s() == 3
+            assert pool.unavailable_retry_after_s() == 3
+            with pytest.raises(NotReadyError):
+                pool.submit("x", SHORT)
+            await wait_until(lambda: pool.readiness()[0])
+            pool.start_draining()
+            assert pool.unavailable_retry_after_s() == pool.restart_retry_after_s() == 4
+    restarting = EngineConfig(
+        backend=SlowOpeningExecutor,
+        warmup=False,
+        worker_restart_backoff_s=30.0,
+        worker_restart_backoff_max_s=30.0,
+    )
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(restarting)) as pool:
+            await fail_the_group(pool)
+            assert pool.ready_retry_after_s() == 30 + 4
 
 
 # -- restarts: requests wait in the queue, at most restart_wait_s ------------------------------
