@@ -10,9 +10,11 @@ from ._core.request import DiffusionRequest as DiffusionRequest
 from ._core.request import SamplingParams as SamplingParams
 from .config import EngineConfig as EngineConfig
 from .errors import DuplicateRequestError as DuplicateRequestError
+from .errors import EngineAsleepError as EngineAsleepError
 from .errors import EngineClosedError as EngineClosedError
 from .errors import EngineDeadError as EngineDeadError
 from .errors import InvalidConfigError as InvalidConfigError
+from .errors import InvalidLoraError as InvalidLoraError
 from .errors import InvalidRequestError as InvalidRequestError
 from .errors import InvalidTransition as InvalidTransition
 from .errors import OmniTrioError as OmniTrioError
@@ -42,11 +44,13 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineConfig",
+    "EngineAsleepError",
     "EngineDeadError",
     "EngineHealth",
     "EngineStatistics",
     "Executor",
     "InvalidConfigError",
+    "InvalidLoraError",
     "InvalidRequestError",
     "InvalidTransition",
     "OmniTrioError",

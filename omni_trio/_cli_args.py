@@ -172,3 +172,19 @@ def image_path(text: str) -> str:
 
 # The formats an error lists (Pillow writes more).
 _COMMON_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF"})
+
+
+def lora_use_arg(text: str) -> tuple[str, float]:
+    """``NAME[:SCALE]`` of ``generate --use-lora``: a registered adapter and its scale."""
+    name, sep, scale = text.rpartition(":")
+    if not sep:
+        name, scale = text, "1"
+    try:
+        value = float(scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME[:SCALE] with SCALE a number, got {text!r}"
+        ) from None
+    if not name or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected NAME[:SCALE], got {text!r}")
+    return name, value

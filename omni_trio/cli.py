@@ -40,6 +40,7 @@ from ._cli_args import (
     accept_verbose_everywhere,
     finite_float,
     image_path,
+    lora_use_arg,
     nonneg_int,
     positive_float,
     positive_int,
@@ -99,7 +100,7 @@ DEMO_PROMPTS = (
     "an orange square on a white background",
     "a red square",
     "a blue circle",
-    "a yellow triangle",
+    "a large yellow triangle",
 )
 DEMO_PREVIEW_FRAMES = 8  # previews in the strip (at most; the final image is added)
 DEMO_BASE_SEED = 2
@@ -122,6 +123,8 @@ def _add_engine_options(
     """The engine's flags.  Each defaults to None ("not given") or, for ``--model``, to a
     :class:`_CommandDefault`, so that a ``--config`` file can set what no flag does
     (flags > file > the command's default)."""
+    from .serve.config import lora_arg
+
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
@@ -159,6 +162,16 @@ def _add_engine_options(
         metavar="N",
         help="N worker processes, each running different requests of a wave "
         "(data_parallel_size; implies --workers N; default: 1)",
+    )
+    group.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        type=lora_arg,
+        default=None,
+        metavar="NAME=PATH",
+        help="register a LoRA adapter: NAME=PATH, PATH a diffusers LoRA directory or "
+        "builtin:shapes-outline (repeatable; loras)",
     )
     group.add_argument(
         "--cfg-parallel",
@@ -283,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0.8; with --mask 1.0)",
     )
     gen.add_argument(
+        "--use-lora",
+        dest="use_lora",
+        action="append",
+        type=lora_use_arg,
+        default=None,
+        metavar="NAME[:SCALE]",
+        help="apply the LoRA adapter registered as NAME (--lora NAME=PATH) at SCALE "
+        "(default 1.0; repeatable)",
+    )
+    gen.add_argument(
         "-o",
         "--out",
         type=image_path,
@@ -302,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="write the recipe (prompt, negative prompt, seed, steps, guidance, size, model) "
         "into each image: PNG text chunks, JPEG/WebP EXIF UserComment (default: on)",
+    )
+    gen.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="run torch.profiler on every worker while the image renders (after the warmup) "
+        "and write one Chrome trace per worker into DIR (made if missing), for "
+        "chrome://tracing or Perfetto",
     )
     gen.add_argument(
         "-q",
@@ -609,8 +640,11 @@ def _engine_config(
         ("device", "device"),
         ("cfg_parallel", "cfg_parallel"),
         ("scheduling_policy", "scheduling_policy"),
+        ("loras", "loras"),
     ):
         value = getattr(args, dest, None)
+        if dest == "loras" and value is not None:
+            value = dict(value)
         if isinstance(value, _CommandDefault):
             defaults = {**defaults, field_name: str(value)}
         elif value is not None:
@@ -629,14 +663,33 @@ def _check_model(config: EngineConfig) -> None:
     """Reject an unknown built-in, a missing directory or a Hub id (with how to download it)
     before an engine starts (see :func:`~omni_trio.models.loading.check_model_early`)."""
     from .models.loading import check_model_early
+    from .models.lora import check_loras
 
     check_model_early(config.model, config.backend)
+    if config.backend != "ray":  # (Ray workers may be other machines, with other files)
+        check_loras(config.loras)
 
 
 def _check_output_dir(path: Path) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise CliError(f"output directory {str(parent)!r} does not exist", EXIT_USAGE)
+
+
+def _profile_dir(text: str) -> str:
+    """``--profile DIR`` as an absolute path, the directory made if missing (so every worker
+    process writes where the user meant); one that cannot be made or written is a usage
+    error (exit 2), before anything starts."""
+    path = Path(text).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(
+            f"--profile {text!r}: cannot make the directory: {exc.strerror or exc}", EXIT_USAGE
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"--profile {text!r}: the directory is not writable", EXIT_USAGE)
+    return str(path)
 
 
 def _save_png(image: Any, path: Path, recipe: Mapping[str, str] | None = None) -> None:
@@ -784,6 +837,7 @@ def _generate_params(args: argparse.Namespace, max_pixels: int = 4096 * 4096) ->
         output_type="pil",
         priority=args.priority,
         deadline_s=args.deadline,
+        lora=tuple(args.use_lora or ()),
     )
 
 
@@ -808,9 +862,12 @@ def _generate_main(args: argparse.Namespace) -> int:
     validate_request(DiffusionRequest(args.prompt, params, "cli"), config.request_limits)
     out = Path(args.out)
     _check_output_dir(out)
+    profile = _profile_dir(args.profile) if args.profile is not None else None
     mode = "none" if args.no_progress else ("live" if _is_tty(sys.stderr) else "plain")
 
-    output, scheduler = trio.run(_generate_async, config, args.prompt, params, mode)
+    output, scheduler, traces = trio.run(
+        _generate_async, config, args.prompt, params, mode, profile
+    )
     width, height = output.images[0].size if output.images else (0, 0)
     paths = output_paths(out, len(output.images))
     recipe_params = params.replace(seed=output.seed)
@@ -835,25 +892,39 @@ def _generate_main(args: argparse.Namespace) -> int:
         f"seed {output.seed}  latency {format_ms(m.e2e_ms)} ms  "
         f"queue wait {format_ms(m.queue_wait_ms)} ms  forward {format_ms(m.execution_ms)} ms"
     )
+    if profile is not None:
+        names = ", ".join(Path(trace).name for trace in traces)
+        print(f"profile traces in {profile}: {names}")
     return EXIT_OK
 
 
 async def _generate_async(
-    config: EngineConfig, prompt: str, params: SamplingParams, mode: str
-) -> tuple[DiffusionOutput, str | None]:
-    """Generate one request; its output and the model's scheduler name (for the recipe)."""
+    config: EngineConfig,
+    prompt: str,
+    params: SamplingParams,
+    mode: str,
+    profile: str | None = None,
+) -> tuple[DiffusionOutput, str | None, list[str]]:
+    """Generate one request; its output, the model's scheduler name (for the recipe) and,
+    with ``profile`` (a directory), the workers' traces of the generation."""
     import trio
 
     from .runtime.engine import raise_for_status
 
     line = _LoadingLine(sys.stderr, mode, config.model)
+    traces: list[str] = []
     async with _open_engine_showing(config, line) as engine:
+        if profile is not None:
+            await engine.start_profile(profile)
         stream = engine.stream(prompt, params)
         item = _Tracked(stream.request_id, "generate", params.total_steps, trio.current_time())
         await _run_with_progress(engine, [stream], [item], _Display(sys.stderr, mode, [item]))
         assert item.output is not None
+        if profile is not None:
+            traces = await engine.stop_profile()
         info = engine.executor.model_info
-        return raise_for_status(item.output), None if info is None else info.scheduler
+        scheduler = None if info is None else info.scheduler
+        return raise_for_status(item.output), scheduler, traces
 
 
 # -- demo --------------------------------------------------------------------------------------

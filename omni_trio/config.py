@@ -15,6 +15,7 @@ from ._core.engine_core import CoreConfig
 from ._core.policy import SCHEDULING_POLICIES
 from ._core.request import RequestLimits
 from .errors import InvalidConfigError
+from .extensions import check_extensions, scheduler_class
 
 __all__ = [
     "AUTO_BACKEND",
@@ -145,14 +146,44 @@ def _nonneg_float(name: str, value: Any, *, allow_none: bool = False) -> None:
 
 # Not slots: an instance also remembers (outside its fields) whether its backend was chosen by
 # worker count, so that ``replace(num_workers=...)`` chooses again.
+_LORA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def _check_loras(loras: Any, max_loras: Any) -> None:
+    """``loras`` maps names of 1..64 of ``[A-Za-z0-9._-]`` to non-empty paths (str);
+    ``max_loras`` is a positive integer.  Whether a path holds an adapter is known when a
+    worker loads it (a request naming a bad one fails with ``InvalidLoraError``)."""
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+        raise InvalidConfigError(
+            f"max_loras must be a positive integer, got {max_loras!r}", field="max_loras"
+        )
+    if not isinstance(loras, Mapping):
+        raise InvalidConfigError(
+            "loras must map adapter names to paths ({name: path})", field="loras"
+        )
+    for name, path in loras.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= 64 or set(name) - _LORA_NAME_CHARS:
+            raise InvalidConfigError(
+                f"LoRA name {name!r}: use 1..64 of letters, digits, '.', '_' and '-'",
+                field="loras",
+            )
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise InvalidConfigError(
+                f"LoRA {name!r}: the path must be a non-empty string, got {path!r}",
+                field="loras",
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Configuration of one engine.
 
-    ``model`` is a local diffusers directory or a built-in name (``builtin:shapes``,
-    ``builtin:tiny-sd``, ``builtin:tiny-ddim``, ``builtin:echo``).  ``model_options`` go to
-    the model loader (for ``builtin:echo``: ``step_delay_s``).  ``backend`` is ``"inproc"``,
-    ``"tractor"``, ``"ray"``, an ``Executor`` subclass or an import path ``"pkg.mod:Class"``;
+    ``model`` is a local diffusers directory, a built-in name (``builtin:shapes``,
+    ``builtin:tiny-sd``, ``builtin:tiny-ddim``, ``builtin:echo``) or a model factory
+    ``"pkg.mod:factory"`` (:mod:`omni_trio.models.factory`).  ``model_options`` go to the
+    model loader (for ``builtin:echo``: ``step_delay_s``; a factory's ``options``).
+    ``backend`` is ``"inproc"``, ``"tractor"``, ``"ray"``, an ``Executor`` subclass or an
+    import path ``"pkg.mod:Class"``;
     ``"auto"`` (the default) chooses by worker count when the config is made: one worker runs
     in this process (``"inproc"``), more run as worker processes (``"tractor"``).
 
@@ -232,6 +263,22 @@ class EngineConfig:
     # Bounded waits (INV-6); None means no deadline for that phase.
     rpc_timeout_s: float | None = None
     close_timeout_s: float = 30.0
+    # Sleep and wake (AsyncEngine.sleep / wake_up, docs/user-guide.md#sleep-and-wake): how
+    # long falling asleep may wait for the requests running and the outputs being packed to
+    # finish (past it the sleep fails with a StallError naming them, and the engine stays
+    # awake); whether requests that arrive while the engine sleeps are refused with
+    # EngineAsleepError (default: they wait and run after wake_up); and where level-1 sleep
+    # keeps the weights of a CPU worker (a private directory made in it; None: the system's
+    # temporary directory).
+    sleep_drain_timeout_s: float = 10.0
+    reject_while_asleep: bool = False
+    sleep_dir: str | None = None
+    # LoRA adapters requests may name (SamplingParams.lora): name -> a local directory of a
+    # diffusers LoRA (pytorch_lora_weights.safetensors) or a shipped one ("builtin:shapes-
+    # outline").  Each worker loads one on first use and keeps at most max_loras loaded
+    # (least recently used evicted); a request may apply at most max_loras at once.
+    loras: Mapping[str, str] = field(default_factory=dict)
+    max_loras: int = 4
     # Multi-process liveness: a worker silent (no heartbeat) this long is hung; a call with
     # no denoising-step progress for worker_stall_timeout_s is hung (None: never).
     worker_heartbeat_timeout_s: float = 30.0
@@ -265,6 +312,15 @@ class EngineConfig:
     # placement group for the workers must be ready within ray_placement_timeout_s.
     ray_address: str | None = None
     ray_placement_timeout_s: float = 30.0
+    # Extension points (docs/extending.md), each a class or an import path
+    # "package.module:Name" (None: the built-in): the scheduler (a subclass of the mode's,
+    # RequestScheduler or StepScheduler, checked here), the workers' runner (a ModelRunner
+    # subclass) and a worker extension whose public methods collective_rpc can call.  For
+    # the tractor and ray backends a class travels as its import path: one defined in
+    # __main__ or inside a function is refused here.
+    scheduler_cls: Any = None
+    runner_cls: Any = None
+    worker_extension_cls: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -329,6 +385,7 @@ class EngineConfig:
             if getattr(self, name) == 0:
                 raise InvalidConfigError(f"{name} must be > 0 or None", field=name)
         _nonneg_float("close_timeout_s", self.close_timeout_s)
+        _nonneg_float("sleep_drain_timeout_s", self.sleep_drain_timeout_s)
         _nonneg_float("worker_heartbeat_timeout_s", self.worker_heartbeat_timeout_s)
         _nonneg_float("worker_stall_timeout_s", self.worker_stall_timeout_s, allow_none=True)
         _nonneg_int("max_worker_restarts", self.max_worker_restarts)
@@ -369,14 +426,25 @@ class EngineConfig:
             "async_output",
             "cfg_parallel",
             "fault_injection",
+            "reject_while_asleep",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool", field=name)
+        if self.sleep_dir is not None and not isinstance(self.sleep_dir, str):
+            raise InvalidConfigError("sleep_dir must be a path (str) or None", field="sleep_dir")
+        _check_loras(self.loras, self.max_loras)
         if self.device is not None:
             _parse_device(self.device)
         if self.streaming_output and not self.step_execution:
             # Streaming previews need step execution; turning it on is what users mean.
             object.__setattr__(self, "step_execution", True)
+        check_extensions(
+            scheduler_cls=self.scheduler_cls,
+            runner_cls=self.runner_cls,
+            worker_extension_cls=self.worker_extension_cls,
+            step_execution=self.step_execution,
+            backend=self.backend,
+        )
         self._check_cross_fields()
         if self.device is not None and self.backend in _LOCAL_BACKENDS:
             check_device_available(self.device)
@@ -477,6 +545,10 @@ class EngineConfig:
             priority_aging_ticks=self.priority_aging_ticks,
             fair_quantum=self.fair_quantum,
             max_preempted_states=self.max_preempted_states,
+            reject_while_asleep=self.reject_while_asleep,
+            lora_names=frozenset(self.loras),
+            max_loras=self.max_loras,
+            scheduler_cls=scheduler_class(self.scheduler_cls, step_execution=self.step_execution),
         )
 
     @property

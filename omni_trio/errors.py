@@ -6,12 +6,14 @@ Every error the runtime raises on purpose is one of these::
     ├── InvalidRequestError (ValueError)     bad input, rejected before admission
     │   ├── DuplicateRequestError            request id already active
     │   ├── PayloadError                     a payload the workers cannot be sent (after admission)
-    │   └── RequestTooCostlyError            over the compute budget (max_request_s, max_step_s)
+    │   ├── RequestTooCostlyError            over the compute budget (max_request_s, max_step_s)
+    │   └── InvalidLoraError                 a LoRA adapter a worker cannot apply (after admission)
     ├── InvalidConfigError (ValueError)      bad EngineConfig field or model/config mismatch
     ├── RequestAbortedError                  the request was aborted (API, consumer drop, close)
     ├── RequestFailedError                   the request ran and failed; carries the error text/type
     ├── EngineClosedError                    you closed the engine ("closed")
     ├── EngineDeadError                      something outside failed; the engine is dead ("broken")
+    ├── EngineAsleepError                    refused: the engine sleeps (reject_while_asleep)
     ├── InvalidTransition                    an illegal lifecycle move (a bug, never user input)
     ├── WorkerError                          a worker failed; boxed type name, worker id, traceback
     ├── StallError                           a bounded wait ran out; names the phase that stalled
@@ -28,9 +30,11 @@ from typing import Any
 
 __all__ = [
     "DuplicateRequestError",
+    "EngineAsleepError",
     "EngineClosedError",
     "EngineDeadError",
     "InvalidConfigError",
+    "InvalidLoraError",
     "InvalidRequestError",
     "InvalidTransition",
     "OmniTrioError",
@@ -98,6 +102,18 @@ class RequestTooCostlyError(InvalidRequestError):
         self.limit_s = limit_s
 
 
+class InvalidLoraError(InvalidRequestError):
+    """A LoRA adapter a request named cannot be applied: a directory that is no adapter, or
+    one made for modules this model does not have.  Found by the worker that loads it: the
+    requests that asked for it fail with this error type (HTTP 400 ``invalid_lora``); the
+    worker serves on."""
+
+    code = "invalid_lora"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="lora")
+
+
 class InvalidConfigError(OmniTrioError, ValueError):
     """An ``EngineConfig`` field is invalid, or the model cannot serve the configuration."""
 
@@ -152,6 +168,11 @@ class EngineClosedError(OmniTrioError):
 
 class EngineDeadError(OmniTrioError):
     """The engine died (scheduler failure, dead worker group); nothing more will run."""
+
+
+class EngineAsleepError(OmniTrioError):
+    """The engine is asleep (or falling asleep, or waking up) and was configured to refuse
+    requests meanwhile (``EngineConfig.reject_while_asleep``); nothing was admitted."""
 
 
 class InvalidTransition(OmniTrioError):

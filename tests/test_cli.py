@@ -9,6 +9,7 @@ model cache and output directory.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import types
@@ -342,6 +343,57 @@ def test_generate_missing_output_directory_exits_2(
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_generate_profile_writes_a_trace_and_names_it_on_one_line(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profiles = tmp_path / "profiles" / "run"  # made, parents and all
+    out = tmp_path / "o.png"
+    argv = _echo(
+        "generate",
+        "x",
+        "--steps",
+        "2",
+        "-o",
+        str(out),
+        "--profile",
+        str(profiles),
+        "--warmup",
+        cache_dir=cache_dir,
+    )
+    assert main(argv) == EXIT_OK  # the profile starts after the warmup, ends with the image
+    captured = capsys.readouterr()
+    (line,) = [line for line in captured.out.splitlines() if line.startswith("profile")]
+    (trace,) = profiles.iterdir()
+    assert line == f"profile traces in {profiles}: {trace.name}"
+    assert trace.name.endswith("-rank0.json") and out.is_file()
+    with open(trace, encoding="utf-8") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert "omni_trio.forward" in names
+    assert "Traceback" not in captured.err
+
+
+def test_generate_a_bad_profile_directory_is_one_line_and_exit_2(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for bad in (a_file, a_file / "below"):
+        argv = _echo(
+            "generate",
+            "x",
+            "-o",
+            str(tmp_path / "o.png"),
+            "--profile",
+            str(bad),
+            cache_dir=cache_dir / "none",
+        )
+        assert main(argv) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.startswith(f"omni-trio: error: --profile {str(bad)!r}: cannot make")
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o.png").exists()
+
+
 def test_bad_input_exit_code_from_the_console_script(tmp_path: Path) -> None:
     """The real process: exit status 2, one line on stderr, no traceback."""
     proc = subprocess.run(
@@ -589,6 +641,9 @@ def test_a_bad_device_is_one_line_and_exit_2_before_anything_starts(
         ("builtin:nosuch", "unknown built-in model 'builtin:nosuch'"),
         ("MISSING", "is neither a built-in"),
         ("EMPTY", "is not a diffusers pipeline (no model_index.json)"),
+        ("no_such_pkg_xyz.models:make", "cannot import module 'no_such_pkg_xyz.models'"),
+        ("no_such_pkg_xyz:make", "cannot import module 'no_such_pkg_xyz'"),
+        ("tests.extension_examples:SMALL", "not a callable model factory"),
     ],
 )
 def test_an_unknown_model_is_one_line_before_the_engine_starts(
@@ -610,6 +665,16 @@ def test_an_unknown_model_is_one_line_before_the_engine_starts(
     captured = capsys.readouterr()
     assert expected in _one_error_line(captured.err)  # no "WARNING ... failed" line first
     assert captured.out == ""
+
+
+def test_a_model_factory_path_passes_the_early_check_and_serves(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    out = tmp_path / "f.png"
+    model = "tests.extension_examples:echo_factory"
+    argv = ["generate", "x", "--model", model, "--steps", "2", "--size", "32x32", "-o", str(out)]
+    assert main([*argv, "--cache-dir", str(cache_dir)]) == EXIT_OK
+    assert decode_echo_image(Image.open(out))[2] == 0
 
 
 def test_a_hub_id_says_how_to_make_a_local_copy(
@@ -1059,3 +1124,41 @@ def test_generate_no_metadata_writes_bare_images_and_jpeg_gets_a_user_comment(
     comment = image.getexif().get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.UserComment]
     assert comment.startswith(b"UNICODE\x00")
     assert comment[8:].decode("utf-16-be").startswith("x\nSteps: 1, CFG scale: 7.5, Seed: 3, ")
+
+
+def test_generate_with_a_registered_lora_writes_it_into_the_recipe(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.lora_support import make_lora
+
+    adapter = make_lora(tmp_path / "a", seed=1)
+    out = tmp_path / "lora.png"
+    argv = ["generate", "a red circle", "--lora", f"a={adapter}", "--use-lora", "a:0.5",
+            "--steps", "4", "--seed", "2", "--threads", "1", "--cache-dir", str(cache_dir),
+            "-o", str(out), "-q"]  # fmt: skip
+    assert main(argv) == EXIT_OK
+    capsys.readouterr()
+    image = Image.open(out)
+    image.load()
+    text = image.text  # type: ignore[attr-defined]
+    assert text["lora"] == "a:0.5"
+    assert text["parameters"].startswith("a red circle <lora:a:0.5>")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora", "a=/no/such/dir"], "is not a LoRA adapter directory"),
+        (["--lora", "nameonly"], "expected NAME=PATH"),
+        (["--use-lora", "a:x"], "expected NAME[:SCALE]"),
+        (["--use-lora", "nope"], "unknown LoRA adapter 'nope'"),
+    ],
+)
+def test_bad_lora_flags_are_one_line(
+    flags: list[str], message: str, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "x", "--steps", "2", "--threads", "1", "--cache-dir", str(cache_dir),
+            "-q", *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)

@@ -426,3 +426,152 @@ def test_from_dict_with_a_non_string_key_names_it() -> None:
     with pytest.raises(InvalidConfigError) as info:
         EngineConfig.from_dict({1: "x", "model": "builtin:echo"})
     assert info.value.field == "1"
+
+
+# -- extension points (omni_trio.extensions, docs/extending.md) ------------------------------
+
+
+def test_extension_fields_default_to_the_builtins() -> None:
+    config = EngineConfig()
+    assert (config.scheduler_cls, config.runner_cls, config.worker_extension_cls) == (
+        None,
+        None,
+        None,
+    )
+    assert config.core_config().scheduler_cls is None
+
+
+def test_a_scheduler_class_or_path_reaches_the_core_config() -> None:
+    from omni_trio.extensions import StepScheduler
+    from tests.extension_examples import RecordingScheduler
+
+    for value in (RecordingScheduler, "tests.extension_examples:RecordingScheduler"):
+        config = EngineConfig(scheduler_cls=value)
+        assert config.scheduler_cls == value  # kept as given (a dict round trip keeps it)
+        assert config.core_config().scheduler_cls is RecordingScheduler
+    step = type("StepOnly", (StepScheduler,), {})
+    assert EngineConfig(step_execution=True, scheduler_cls=step).core_config().scheduler_cls is (
+        step
+    )
+    # streaming_output implies step mode before the scheduler is checked
+    assert EngineConfig(streaming_output=True, scheduler_cls=step).step_execution
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"scheduler_cls": "tests.extension_examples:NoSuch"}, "has no 'NoSuch'"),
+        ({"scheduler_cls": "no_such_pkg_xyz.mod:S"}, "cannot import module 'no_such_pkg_xyz.mod'"),
+        ({"scheduler_cls": "not a path"}, "must be an import path"),
+        ({"scheduler_cls": 3}, "must be a subclass of omni_trio._core.scheduler.Scheduler"),
+        ({"scheduler_cls": dict}, "must be a subclass of omni_trio._core.scheduler.Scheduler"),
+        (
+            {"scheduler_cls": "tests.extension_examples:CountingRunner"},
+            "must be a subclass of omni_trio._core.scheduler.Scheduler",
+        ),
+        (
+            {
+                "scheduler_cls": "tests.extension_examples:RecordingScheduler",
+                "step_execution": True,
+            },
+            "must subclass omni_trio.extensions.StepScheduler in step mode (step_execution=True)"
+            ", which the engine core builds and drives; it is a RequestScheduler",
+        ),
+    ],
+)
+def test_a_bad_scheduler_is_refused_when_the_config_is_made(
+    fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidConfigError) as failed:
+        EngineConfig(**fields)
+    assert failed.value.field == "scheduler_cls"
+    assert message in str(failed.value) and "\n" not in str(failed.value)
+
+
+def test_a_scheduler_of_the_shared_base_only_is_refused_in_either_mode() -> None:
+    from omni_trio.extensions import Scheduler, StepScheduler
+
+    base_only = type("BaseOnly", (Scheduler,), {})
+    for step in (False, True):
+        with pytest.raises(InvalidConfigError, match="subclasses only the shared base"):
+            EngineConfig(step_execution=step, scheduler_cls=base_only)
+    step_only = type("StepOnly", (StepScheduler,), {})
+    with pytest.raises(InvalidConfigError, match=r"in request mode, .* it is a StepScheduler"):
+        EngineConfig(scheduler_cls=step_only)
+
+
+@pytest.mark.parametrize("name", ["runner_cls", "worker_extension_cls"])
+@pytest.mark.parametrize("value", [3, "not a path", "pkg.mod", object()])
+def test_worker_side_fields_must_be_a_class_or_a_path(name: str, value: object) -> None:
+    with pytest.raises(InvalidConfigError) as failed:
+        EngineConfig(**{name: value})
+    assert failed.value.field == name
+    assert "must be a class, an import path 'package.module:Name' or None" in str(failed.value)
+
+
+@pytest.mark.parametrize("name", ["runner_cls", "worker_extension_cls"])
+def test_worker_side_paths_are_not_imported_when_the_config_is_made(name: str) -> None:
+    """A worker resolves them (a Ray worker may be another machine, with other modules)."""
+    assert getattr(EngineConfig(**{name: "no_such_pkg_xyz.mod:Name"}), name) == (
+        "no_such_pkg_xyz.mod:Name"
+    )
+
+
+def _local_class() -> type:
+    class Local:
+        pass
+
+    return Local
+
+
+@pytest.mark.parametrize("name", ["runner_cls", "worker_extension_cls"])
+def test_process_backends_refuse_classes_other_processes_cannot_import(name: str) -> None:
+    local = _local_class()
+    main = type("FromScript", (), {"__module__": "__main__"})
+    assert getattr(EngineConfig(**{name: local}), name) is local  # inproc: used as it is
+    for backend, extra in (("tractor", {}), ("ray", {}), ("auto", {"num_workers": 2})):
+        for value, why in ((local, "inside a function"), (main, "defined in __main__")):
+            with pytest.raises(InvalidConfigError, match=why) as failed:
+                EngineConfig(backend=backend, cfg_parallel=False, **extra, **{name: value})
+            assert failed.value.field == name
+
+
+def test_a_scheduler_class_need_not_travel() -> None:
+    """The scheduler runs in the engine's process: any class will do, on any backend."""
+    from omni_trio.extensions import RequestScheduler
+
+    local = type("Local", (RequestScheduler,), {"__qualname__": "f.<locals>.Local"})
+    assert EngineConfig(backend="tractor", scheduler_cls=local).scheduler_cls is local
+
+
+def test_extension_classes_travel_to_workers_as_import_paths() -> None:
+    from omni_trio.executors.group import wire_config
+    from tests.extension_examples import CountingRunner, RecordingScheduler
+
+    config = EngineConfig(
+        backend="tractor",
+        runner_cls=CountingRunner,
+        worker_extension_cls="tests.extension_examples:InspectExtension",
+        scheduler_cls=RecordingScheduler,
+    )
+    wired = wire_config(config)
+    assert wired["runner_cls"] == "tests.extension_examples:CountingRunner"
+    assert wired["worker_extension_cls"] == "tests.extension_examples:InspectExtension"
+    assert wired["scheduler_cls"] is None  # workers have no scheduler
+    worker_config = EngineConfig.from_dict(wired)
+    assert worker_config.runner_cls == "tests.extension_examples:CountingRunner"
+
+
+def test_loras_map_names_to_paths_and_max_loras_is_positive() -> None:
+    config = EngineConfig(loras={"outline": "builtin:shapes-outline", "my.style-2": "/x"})
+    assert config.core_config().lora_names == frozenset({"outline", "my.style-2"})
+    assert config.core_config().max_loras == 4
+    assert EngineConfig.from_dict(dataclasses.asdict(config)).loras == config.loras
+    for bad in ({"": "/x"}, {"a b": "/x"}, {"a": ""}, {"a": 3}, ["a"]):
+        with pytest.raises(InvalidConfigError) as info:
+            EngineConfig(loras=bad)  # type: ignore[arg-type]
+        assert info.value.field == "loras"
+    for bad_max in (0, -1, True, 1.5):
+        with pytest.raises(InvalidConfigError) as info:
+            EngineConfig(max_loras=bad_max)  # type: ignore[arg-type]
+        assert info.value.field == "max_loras"

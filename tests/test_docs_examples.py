@@ -120,12 +120,24 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "the list of experiments; each runs for minutes (tests/bench/test_experiments.py runs "
         "every one with --quick)"
     ),
-    ("docs/benchmarks.md", "omni-trio bench quality --img2img"): NotRun(
+    ("docs/benchmarks.md", "omni-trio bench quality --img2img --no-progress"): NotRun(
         "a full measurement (about 4 minutes); tests/bench/test_quality.py runs it small"
+    ),
+    ("docs/benchmarks.md", "--model /tmp/shapes-ft-k2"): NotRun(
+        "four full measurements (about 15 minutes) of a fine-tune's output directory, which "
+        "only the 5-minute training run makes; tests/bench/test_quality.py runs the bench small"
+    ),
+    ("docs/benchmarks.md", "omni-trio bench quality --lora"): NotRun(
+        "a full measurement (about 3 minutes); tests/bench/test_quality.py runs "
+        "`bench quality --lora --quick`"
     ),
     ("docs/benchmarks.md", "omni-trio bench executors"): NotRun(
         "a full measurement (minutes, a local Ray); tests/bench/test_executors.py runs the "
         "experiment small"
+    ),
+    ("docs/benchmarks.md", "omni-trio bench serve --parts jobs"): NotRun(
+        "two measurements of one to two minutes; tests/bench/test_experiments.py runs "
+        "`bench serve --quick` with every part"
     ),
     # docs/execution-modes.md
     ("docs/execution-modes.md", "streaming_output=True"): Covered(
@@ -133,6 +145,23 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
     ),
     ("docs/execution-modes.md", "class ToyAdapter"): Covered(
         "tests/test_execution_modes_doc.py::test_execution_modes_examples_run"
+    ),
+    # docs/extending.md (each block is a verbatim part of tests/extension_examples.py)
+    ("docs/extending.md", "class RecordingScheduler"): Covered(
+        "tests/test_extensions.py::test_the_scheduler_example_runs"
+    ),
+    ("docs/extending.md", "class CountingRunner"): Covered(
+        "tests/test_extensions.py::test_the_runner_and_extension_example_runs"
+    ),
+    ("docs/extending.md", "class InspectExtension"): Covered(
+        "tests/test_extensions.py::test_the_runner_and_extension_example_runs"
+    ),
+    ("docs/extending.md", "def echo_factory"): Covered(
+        "tests/test_extensions.py::test_the_factory_example_runs"
+    ),
+    ("docs/benchmarks.md", "omni-trio bench sleep"): NotRun(
+        "a minute of a worker process sleeping and waking; tests/bench/test_sleep.py runs "
+        "`bench sleep --quick`"
     ),
     # docs/fuzzing.md
     ("docs/fuzzing.md", "with_faults"): Covered("tests/test_fuzz.py::test_the_worked_example_runs"),
@@ -176,6 +205,18 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "a receiver's fragment (secret, raw_body and request are the reader's); "
         "tests/serve/test_webhooks.py checks every delivery's signature the same way"
     ),
+    ("docs/operations.md", "--lora outline=builtin:shapes-outline --lora mine"): NotRun(
+        "a daemon on the reader's /models/my-lora; tests/serve/test_lora.py serves adapters "
+        "and sends the same requests (httpx and the openai SDK)"
+    ),
+    ("docs/operations.md", "localhost:8000/v1/admin/sleep"): NotRun(
+        "needs a running daemon; tests/serve/test_sleeping.py makes each of these calls to a "
+        "real server"
+    ),
+    ("docs/operations.md", "localhost:8000/v1/admin/start_profile"): NotRun(
+        "needs a running daemon with an API key, and the trace names differ per run; "
+        "tests/serve/test_profiling.py makes these calls to a real server and reads the traces"
+    ),
     ("docs/operations.md", "until curl -sf"): NotRun(
         "the README's serve example: the same start, wait for /ready and SIGTERM, run there"
     ),
@@ -183,14 +224,18 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
     ("docs/supervision.md", "health = engine.health()"): _PY,
     # docs/user-guide.md
     ("docs/user-guide.md", "scripts/train_shapes.py"): NotRun(
-        "trains builtin:shapes for about 22 minutes and overwrites the shipped weights; "
-        "tests/scripts/test_train_shapes.py trains a short run, tests/bench/test_quality.py "
-        "runs `bench quality --quick`"
+        "trains builtin:shapes for about 27 minutes (a base, then a fine-tune that overwrites "
+        "the shipped weights) and its outline adapter for 10 more; "
+        "tests/scripts/test_train_shapes.py and tests/scripts/test_train_shapes_lora.py train "
+        "short runs, tests/bench/test_quality.py runs `bench quality --quick` (and --lora)"
     ),
     ("docs/user-guide.md", 'out.images[0].save("fox.png")'): _PY,
+    ("docs/user-guide.md", 'await engine.start_profile("profiles")'): _PY,
     ("docs/user-guide.md", 'with Engine(model="builtin:tiny-sd")'): _PY,
     ("docs/user-guide.md", 'engine.stream("a cat", params)'): _PY,
     ("docs/user-guide.md", "mask.paste(255, (0, 0, source.width // 2"): _PY,
+    ("docs/user-guide.md", "reports = await engine.sleep(1)"): _PY,
+    ("docs/user-guide.md", 'loras = {"outline": "builtin:shapes-outline"}'): _PY,
     ("docs/user-guide.md", "--image red-circle.png"): NotRun(
         "needs the reader's red-circle.png; tests/test_cli.py::"
         "test_generate_from_a_picture_and_a_mask runs the same flags on a picture it writes"

@@ -29,12 +29,15 @@ ROOT = Path(omni_trio.__file__).parent
 #   models       diffusers and built-ins -> _core
 #   ipc          codec, shared memory   -> _core
 #   _core        pure core              -> errors
-# with config, errors and the generic supervisor at the ground floor.
-_GROUND = {"_core", "errors", "config"}
+# with config, errors and the generic supervisor at the ground floor (beside config: the
+# import-path resolver and the extension points' checks it makes).
+_GROUND = {"_core", "errors", "config", "import_path", "extensions"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "_core": {"errors"},
-    "config": {"_core", "errors"},
+    "import_path": {"errors"},
+    "extensions": {"_core", "errors", "import_path"},
+    "config": {"_core", "errors", "import_path", "extensions"},
     "supervisor": {"errors"},
     "cli_support": {"errors"},
     "ipc": _GROUND,

@@ -19,6 +19,8 @@ with the current time, and carries out the *instructions* it gets back, in order
     expire(now)                             as output_lost, for outputs past their deadline
     abort(ids, now) / consumer_gone(id)     StopForwards, DropOutput, DeliverTerminal
     preempt(id, now)                        -- (a step-boundary preemption)
+    begin_sleep / fell_asleep / sleep_failed -- (no waiting request starts meanwhile)
+    begin_wake / woke / wake_failed         --
     group_started(info, now)                --
     group_failed(error, now)                DropOutput, DeliverTerminal (requeues the rest)
     close(now) / die(error, now)            StopForwards, DropOutput, DeliverTerminal
@@ -51,6 +53,7 @@ from ..errors import (
     QUARANTINED_ERROR_TYPE,
     TIMEOUT_ERROR_TYPE,
     DuplicateRequestError,
+    EngineAsleepError,
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
@@ -60,11 +63,14 @@ from .cost import CostModel
 from .faults import FAULTS_KEY, WARMUP_REQUEST_ID, parse_faults
 from .health import (
     CANCEL_LATENCY_BUCKETS_S,
+    SLEEP_LEVELS,
+    TICK_BUCKETS_S,
     EngineHealth,
     EngineState,
     EngineStatistics,
     GroupState,
     PhaseSummary,
+    SleepState,
     WorkerState,
     WorkerStatus,
 )
@@ -82,6 +88,7 @@ from .request import (
     DiffusionRequest,
     RequestLimits,
     SamplingParams,
+    canonical_lora,
     image_size,
     validate_request,
 )
@@ -149,6 +156,14 @@ class CoreConfig:
     # Step mode, "priority": preempted requests whose step state the workers keep; past it a
     # preempted request gives its state up and restarts from step 0 (same seed, same image).
     max_preempted_states: int = 16
+    # Refuse admissions while the engine sleeps (EngineAsleepError) instead of queueing them.
+    reject_while_asleep: bool = False
+    # The LoRA adapters requests may name (EngineConfig.loras); more is refused at admission.
+    lora_names: frozenset[str] = frozenset()
+    max_loras: int = 4
+    # The scheduler class (EngineConfig.scheduler_cls, resolved): a subclass of the mode's
+    # scheduler (RequestScheduler, or StepScheduler with step_execution); None: that one.
+    scheduler_cls: type[Scheduler] | None = None
 
 
 # -- instructions ---------------------------------------------------------------------------
@@ -254,12 +269,19 @@ class EngineCore:
         self.config = config = config if config is not None else CoreConfig()
         policy = cast(SchedulingPolicy, config.scheduling_policy)
         aging, quantum = config.priority_aging_ticks, config.fair_quantum
+        custom = config.scheduler_cls
+        base = StepScheduler if config.step_execution else RequestScheduler
+        if custom is not None and not (isinstance(custom, type) and issubclass(custom, base)):
+            raise ValueError(
+                f"scheduler_cls must be a subclass of {base.__name__} in {base.mode} mode, "
+                f"got {custom!r}"
+            )
         self.scheduler: Scheduler = (
-            StepScheduler(
+            cast(type[StepScheduler], custom or StepScheduler)(
                 config.max_num_seqs, policy=policy, aging_ticks=aging, fair_quantum=quantum
             )
             if config.step_execution
-            else RequestScheduler(
+            else cast(type[RequestScheduler], custom or RequestScheduler)(
                 config.max_num_seqs,
                 config.request_batch_max_wait_ms,
                 policy=policy,
@@ -308,10 +330,21 @@ class EngineCore:
         self._cancel_counts = [0] * (len(CANCEL_LATENCY_BUCKETS_S) + 1)
         self._cancel_sum_s = 0.0
         self._wasted_steps = 0
+        # Step mode: tick times (dispatch to result) by bucket, and when the dispatch in
+        # flight was scheduled.
+        self._tick_counts = [0] * (len(TICK_BUCKETS_S) + 1)
+        self._tick_sum_s = 0.0
+        self._dispatched_at = 0.0
         self._timings: dict[str, deque[float]] = {k: deque(maxlen=_TIMING_WINDOW) for k in _PHASES}
         self._id_prefix = id_prefix
         self._ids = itertools.count(1)
         self._seeds = random.Random(seed)
+        # Sleep and wake (see begin_sleep): the state, the level slept at (0: awake), what
+        # it was before a sleep or wake began (restored if that fails), and completed sleeps.
+        self.sleep_state = SleepState.AWAKE
+        self.sleep_level = 0
+        self._sleep_before: tuple[SleepState, int] = (SleepState.AWAKE, 0)
+        self._sleeps = 0
 
     # -- queries -------------------------------------------------------------------------
 
@@ -463,6 +496,11 @@ class EngineCore:
         longer accepts work.  ``counted=False`` keeps it out of the statistics (warmup).
         """
         self.check_open()
+        if self.config.reject_while_asleep and self.sleep_state is not SleepState.AWAKE:
+            raise EngineAsleepError(
+                f"the engine is {self.sleep_state.value.replace('_', ' ')} and refuses "
+                "requests until it is awake (reject_while_asleep)"
+            )
         limits = self.config.limits
         validate_request(request, limits)
         request = self._resolve_defaults(request)
@@ -503,9 +541,19 @@ class EngineCore:
         sp = request.sampling
         changes: dict[str, Any] = {}
         info = self.model_info
+        lora = canonical_lora(sp.lora)
+        if lora != sp.lora:
+            changes["lora"] = lora
+        if lora and len(lora) > self.config.max_loras:
+            raise InvalidRequestError(
+                f"{len(lora)} LoRA adapters asked for; at most {self.config.max_loras} "
+                "(max_loras) at once",
+                param="lora",
+            )
         if info is not None:
             info.check_extra_args(sp.extra_args)
             info.check_conditioning(sp)
+            info.check_lora(lora, self.config.lora_names)
             height, width = sp.height, sp.width
             picture = image_size(sp.image) if sp.image is not None else None
             derived = picture is not None and (height is None or width is None)
@@ -591,6 +639,7 @@ class EngineCore:
             assert state is not None
             states[rid] = state
         self._dispatch = sched_out
+        self._dispatched_at = now
         if sched_out.scheduled_request_ids:
             self._batch_sizes[len(sched_out.scheduled_request_ids)] += 1
         if self.trace is not None:
@@ -639,6 +688,10 @@ class EngineCore:
                     worker=worker,
                     detail=_result_detail(result.get(rid)),
                 )
+        if self.config.step_execution and sched_out.scheduled_request_ids:
+            tick = max(0.0, now - self._dispatched_at)
+            self._tick_counts[bisect.bisect_left(TICK_BUCKETS_S, tick)] += 1
+            self._tick_sum_s += tick
         self._account(states, result, now)
         finished = self.scheduler.update_from_output(sched_out, result, now)
         entries = self._entries
@@ -986,6 +1039,78 @@ class EngineCore:
         self._record(now, _K.PREEMPT, request_id, detail=detail)
         return True
 
+    # -- sleep and wake ----------------------------------------------------------------
+
+    def begin_sleep(self, level: int, now: float) -> None:
+        """The shell begins putting the workers to sleep at ``level`` (1 or 2): from now on
+        no waiting request starts (nor preempts); the running ones go on.  The shell waits
+        for :meth:`busy_ids` to be empty, asks the workers, then calls :meth:`fell_asleep`
+        or :meth:`sleep_failed`.  Raises ``ValueError`` for another level,
+        ``RuntimeError`` while a sleep or wake is already under way (the shell runs one at
+        a time), and :class:`EngineClosedError` / :class:`EngineDeadError` once ended."""
+        self.check_open()
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleep_state in (SleepState.FALLING_ASLEEP, SleepState.WAKING):
+            raise RuntimeError(f"a sleep or wake is under way ({self.sleep_state.value})")
+        self._sleep_before = (self.sleep_state, self.sleep_level)
+        self.sleep_state = SleepState.FALLING_ASLEEP
+        self.scheduler.holding = True
+        self._record(now, _K.SLEEP, detail={"level": level, "state": "falling_asleep"})
+
+    def busy_ids(self) -> list[str]:
+        """Requests whose compute is in flight or whose output is being packed (RUNNING or
+        PACKING): what falling asleep waits for."""
+        scheduler = self.scheduler
+        busy = set(scheduler.running_request_ids()) | set(scheduler.packing_request_ids())
+        busy.update(self._dispatch_states)
+        return sorted(busy)
+
+    def fell_asleep(self, level: int, now: float) -> None:
+        """Every worker released its weights at ``level``."""
+        if self.sleep_state is not SleepState.FALLING_ASLEEP:
+            raise RuntimeError(f"fell_asleep while {self.sleep_state.value}")
+        self.sleep_state = SleepState.ASLEEP
+        self.sleep_level = max(level, self._sleep_before[1])
+        self._sleeps += 1
+        self._record(now, _K.SLEEP, detail={"level": self.sleep_level, "state": "asleep"})
+
+    def sleep_failed(self, now: float, error: str = "") -> None:
+        """Falling asleep failed (it ran out of time, or a worker refused): back to what
+        the engine was before :meth:`begin_sleep` (awake: waiting requests start again)."""
+        if self.sleep_state is not SleepState.FALLING_ASLEEP:
+            return
+        self.sleep_state, self.sleep_level = self._sleep_before
+        self.scheduler.holding = self.sleep_state is not SleepState.AWAKE
+        self._record(now, _K.SLEEP, detail={"state": "failed", "error": error})
+
+    def begin_wake(self, now: float) -> bool:
+        """The shell begins waking the workers; False (nothing to do) when awake.  Raises
+        ``RuntimeError`` while a sleep or wake is under way."""
+        if self.sleep_state is SleepState.AWAKE:
+            return False
+        if self.sleep_state is not SleepState.ASLEEP:
+            raise RuntimeError(f"a sleep or wake is under way ({self.sleep_state.value})")
+        self._sleep_before = (self.sleep_state, self.sleep_level)
+        self.sleep_state = SleepState.WAKING
+        self._record(now, _K.WAKE, detail={"state": "waking"})
+        return True
+
+    def woke(self, now: float) -> None:
+        """Every worker has its weights back: waiting requests start again."""
+        if self.sleep_state is not SleepState.WAKING:
+            raise RuntimeError(f"woke while {self.sleep_state.value}")
+        self.sleep_state, self.sleep_level = SleepState.AWAKE, 0
+        self.scheduler.holding = False
+        self._record(now, _K.WAKE, detail={"state": "awake"})
+
+    def wake_failed(self, now: float, error: str = "") -> None:
+        """Waking failed: the engine is asleep still (wake_up may be tried again)."""
+        if self.sleep_state is not SleepState.WAKING:
+            return
+        self.sleep_state, self.sleep_level = self._sleep_before
+        self._record(now, _K.WAKE, detail={"state": "failed", "error": error})
+
     def consumer_gone(self, request_id: str, now: float) -> list[Instruction]:
         """The consumer stopped reading: nothing more is delivered and the request is
         aborted."""
@@ -1277,6 +1402,13 @@ class EngineCore:
             state, reason = EngineState.CLOSED, "engine is closed"
         elif self.group is GroupState.STARTING:
             state, reason = EngineState.STARTING, "the worker group is starting"
+        elif self.group is GroupState.RUNNING and self.sleep_state is not SleepState.AWAKE:
+            state = EngineState.SLEEPING
+            reason = (
+                f"asleep (level {self.sleep_level})"
+                if self.sleep_state is SleepState.ASLEEP
+                else self.sleep_state.value.replace("_", " ")
+            )
         elif self.group is GroupState.RUNNING:
             state = EngineState.READY
         else:
@@ -1288,6 +1420,7 @@ class EngineCore:
             restarts=self._restarts(restarts),
             workers=self.worker_view(workers),
             last_failure=self.last_failure,
+            sleep_level=self.sleep_level,
         )
 
     def check_health(self) -> None:
@@ -1330,7 +1463,12 @@ class EngineCore:
             batch_sizes=tuple(sorted(self._batch_sizes.items())),
             cancel_latency_counts=tuple(self._cancel_counts),
             cancel_latency_sum_s=self._cancel_sum_s,
+            tick_counts=tuple(self._tick_counts),
+            tick_sum_s=self._tick_sum_s,
             wasted_steps=self._wasted_steps,
+            sleep_state=self.sleep_state,
+            sleep_level=self.sleep_level,
+            sleeps=self._sleeps,
         )
 
     # -- trace ---------------------------------------------------------------------------

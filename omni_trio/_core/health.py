@@ -14,11 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "SLEEP_LEVELS",
     "EngineHealth",
     "EngineState",
     "EngineStatistics",
     "GroupState",
     "PhaseSummary",
+    "SleepState",
     "WorkerState",
     "WorkerStatus",
 ]
@@ -49,8 +51,26 @@ class EngineState(enum.StrEnum):
     READY = "ready"
     STARTING = "starting"
     RESTARTING = "restarting"
+    SLEEPING = "sleeping"  # falling asleep, asleep or waking up: requests wait (or are refused)
     DEAD = "dead"
     CLOSED = "closed"
+
+
+# What AsyncEngine.sleep(level) takes: 1 keeps a copy of the weights off the device, 2 none.
+SLEEP_LEVELS = (1, 2)
+
+
+class SleepState(enum.StrEnum):
+    """Where the engine is between :meth:`AsyncEngine.sleep` and :meth:`~AsyncEngine.wake_up`.
+
+    ``falling_asleep``: no new request starts; the running ones finish and the outputs being
+    packed arrive, then the workers release their weights.  ``asleep``: they did.
+    ``waking``: the workers take their weights back.  Only ``awake`` runs new requests."""
+
+    AWAKE = "awake"
+    FALLING_ASLEEP = "falling_asleep"
+    ASLEEP = "asleep"
+    WAKING = "waking"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +110,8 @@ class PhaseSummary:
 
 # Upper bounds (seconds) of the cancel-latency buckets of EngineStatistics.
 CANCEL_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Upper bounds (seconds) of the step-mode tick-time buckets of EngineStatistics.
+TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +153,24 @@ class EngineStatistics:
     cancel_latency_counts: tuple[int, ...] = ()
     cancel_latency_sum_s: float = 0.0
     wasted_steps: int = 0
+    # Step mode: every tick (one denoising step of each request in it) by its time from
+    # dispatch to result (per bucket of TICK_BUCKETS_S, then one past the last;
+    # ``tick_sum_s`` their total).  Request mode times no ticks.
+    tick_counts: tuple[int, ...] = ()
+    tick_sum_s: float = 0.0
+    # Sleep and wake: the state, the level slept at (0 while awake), and the number of
+    # sleeps and wakes completed so far.
+    sleep_state: SleepState = SleepState.AWAKE
+    sleep_level: int = 0
+    sleeps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class EngineHealth:
     """``AsyncEngine.health()``: never ``healthy`` while a worker is gone or restarting.
 
-    ``state`` is ready, starting, restarting, dead or closed; ``reason`` says why it is not
-    ready.
+    ``state`` is ready, starting, restarting, sleeping, dead or closed; ``reason`` says why
+    it is not ready.  ``sleep_level``: the level the engine sleeps at (0: awake).
     """
 
     healthy: bool
@@ -147,3 +179,4 @@ class EngineHealth:
     restarts: int
     workers: tuple[WorkerState, ...]
     last_failure: str | None
+    sleep_level: int = 0

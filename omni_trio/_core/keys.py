@@ -3,7 +3,8 @@
 Two requests may run in one fused forward only if their keys are equal.  The seed is never
 part of a key: every request gets its own generator.  Step mode leaves the step count out, so
 requests at different steps, with different step counts, can share a denoising batch.  The
-conditioning (text, image, inpaint) is part of both keys; pictures are resized to the
+conditioning (text, image, inpaint) and the LoRA adapters with their scales are part of both
+keys; pictures are resized to the
 request's size, so requests of one size and conditioning may fuse whatever their pictures.
 """
 
@@ -27,6 +28,8 @@ def _shape_and_guidance(request: DiffusionRequest) -> tuple[Hashable, ...]:
         sp.output_type,
         sp.conditioning,
         request.condition_key,
+        # The LoRA adapters and scales (canonical after admission: hashable, sorted).
+        tuple(tuple(pair) for pair in sp.lora) if sp.lora else (),
     )
 
 

@@ -6,7 +6,7 @@ other sizes are allowed, what a warmup request looks like) is answered here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -52,6 +52,8 @@ class ModelInfo:
     ``image_input``: it takes a picture to start from (``SamplingParams.image``, image-to-image)
     and a mask of what to repaint (``mask_image``, inpainting); without it such requests are
     refused at admission.
+    ``lora_input``: it applies LoRA adapters (``SamplingParams.lora``); without it a request
+    naming one is refused at admission.
     """
 
     name: str
@@ -70,6 +72,7 @@ class ModelInfo:
     calibrate: bool = False
     scheduler: str | None = None
     image_input: bool = False
+    lora_input: bool = False
 
     def __post_init__(self) -> None:
         if self.fixed_size is None:
@@ -111,6 +114,24 @@ class ModelInfo:
                 f"model {self.name} does not take an image to start from (image-to-image and "
                 "inpainting need a text-to-image diffusers pipeline with step support)",
                 param="image",
+            )
+
+    def check_lora(self, lora: Any, registered: Collection[str]) -> None:
+        """Raise :class:`InvalidRequestError` (``param="lora"``) for adapters this model
+        cannot apply, or names not among ``registered`` (``EngineConfig.loras``)."""
+        if not lora:
+            return
+        if not self.lora_input:
+            raise InvalidRequestError(
+                f"model {self.name} cannot apply LoRA adapters (a text-to-image diffusers "
+                "pipeline can)",
+                param="lora",
+            )
+        unknown = [name for name, _ in lora if name not in registered]
+        if unknown:
+            known = ", ".join(sorted(registered)) if registered else "none"
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {unknown[0]!r} (registered: {known})", param="lora"
             )
 
     def check_extra_args(self, extra_args: Mapping[str, Any]) -> None:

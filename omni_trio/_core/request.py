@@ -22,11 +22,14 @@ __all__ = [
     "DEFAULT_INPAINT_STRENGTH",
     "MAX_REQUEST_ID_LENGTH",
     "OUTPUT_TYPES",
+    "MAX_LORA_SCALE",
     "Conditioning",
     "DiffusionRequest",
+    "LoraSpec",
     "OutputType",
     "RequestLimits",
     "SamplingParams",
+    "canonical_lora",
     "image_size",
     "text_problem",
     "validate_request",
@@ -43,6 +46,9 @@ DEFAULT_IMAGE_STRENGTH = 0.8
 DEFAULT_INPAINT_STRENGTH = 1.0
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SEED = 2**63 - 1
+# The LoRA adapters of a request: (registered name, scale) pairs, sorted by name.
+LoraSpec = tuple[tuple[str, float], ...]
+MAX_LORA_SCALE = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +63,12 @@ class SamplingParams:
     policies); ``deadline_s`` (seconds from admission) ends the request ``FINISHED_ABORTED``
     with :class:`~omni_trio.errors.RequestTimeoutError` if it has not finished by then.
     Neither is part of a compatibility key.
+
+    ``lora`` names the LoRA adapters to apply, registered with ``EngineConfig.loras``: a
+    name (scale 1.0), a ``(name, scale)`` pair, or a sequence of either.  The engine makes
+    it a tuple of ``(name, scale)`` sorted by name at admission (:func:`canonical_lora`);
+    it is part of both compatibility keys, so requests with other adapters or scales never
+    share a forward.
 
     ``image`` (a PIL image, or an ``(H, W)``/``(H, W, C)`` uint8 array with C of 1, 3 or 4)
     makes the request image-to-image; with ``mask_image`` too (same size; white, or 255, marks
@@ -85,6 +97,7 @@ class SamplingParams:
     image: Any = field(default=None, compare=False)
     mask_image: Any = field(default=None, compare=False)
     strength: float | None = None
+    lora: Any = ()
 
     @property
     def conditioning(self) -> Conditioning:
@@ -274,6 +287,63 @@ def _check_extra(value: Any, depth: int = 0) -> None:
             _check_extra(item, depth + 1)
 
 
+def canonical_lora(value: Any) -> LoraSpec:
+    """``SamplingParams.lora`` as ``((name, scale), ...)`` sorted by name: from ``None`` or
+    ``()`` (no adapter), a name, a ``(name, scale)`` pair, a ``{"name", "scale"}`` mapping, or
+    a sequence of them.  Raises :class:`InvalidRequestError` (``param="lora"``) for anything
+    else, an empty or non-printable name, a scale that is not a finite number within
+    +-:data:`MAX_LORA_SCALE`, or a name given twice."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str | Mapping) else value
+    if (
+        isinstance(items, tuple | list)
+        and len(items) == 2
+        and isinstance(items[0], str)
+        and isinstance(items[1], int | float)  # one (name, scale) pair, not two names
+        and not isinstance(items[1], bool)
+    ):
+        items = [items]
+    if not isinstance(items, list | tuple):
+        raise _fail(
+            f"lora must be a name, a (name, scale) pair or a list of them, not "
+            f"{type(value).__name__}",
+            "lora",
+        )
+    spec: dict[str, float] = {}
+    for item in items:
+        if isinstance(item, str):
+            name, scale = item, 1.0
+        elif isinstance(item, Mapping):
+            unknown = sorted(str(k) for k in item if k not in ("name", "scale"))
+            if unknown or "name" not in item:
+                raise _fail('a lora entry must be {"name": str, "scale": number}', "lora")
+            name, scale = item["name"], item.get("scale", 1.0)
+        elif isinstance(item, list | tuple) and len(item) == 2:
+            name, scale = item
+        else:
+            raise _fail(
+                f"a lora entry must be a name or a (name, scale) pair, got {item!r}", "lora"
+            )
+        if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 128:
+            raise _fail(f"a LoRA name must be a non-empty printable string, got {name!r}", "lora")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+            or abs(scale) > MAX_LORA_SCALE
+        ):
+            raise _fail(
+                f"the scale of LoRA {name!r} must be a finite number in "
+                f"-{MAX_LORA_SCALE:g}..{MAX_LORA_SCALE:g}, got {scale!r}",
+                "lora",
+            )
+        if name in spec:
+            raise _fail(f"LoRA {name!r} is given twice", "lora")
+        spec[name] = float(scale)
+    return tuple(sorted(spec.items()))
+
+
 def validate_request(request: DiffusionRequest, limits: RequestLimits | None = None) -> None:
     """Raise :class:`InvalidRequestError` (naming the field) if ``request`` must not be admitted.
 
@@ -379,3 +449,4 @@ def validate_request(request: DiffusionRequest, limits: RequestLimits | None = N
         raise _fail("extra_args must be a mapping", "extra_args")
     _check_extra(sp.extra_args)
     _check_images(sp, limits)
+    canonical_lora(sp.lora)

@@ -103,6 +103,9 @@ class Scheduler:
         # Terminal since the last schedule(); reported once in its finished_req_ids.
         self._finished_pending: set[str] = set()
         self._step_id = 0
+        # While set (the engine falls asleep, sleeps or wakes) no waiting request starts;
+        # running ones go on (step mode) until they finish.
+        self.holding = False
 
     # -- queries -------------------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class Scheduler:
         ``solo``)."""
         if self._running:
             return True
+        if self.holding:
+            return False
         head = self._queue.peek(None)
         return head is not None and not self._solo_blocks(head)
 
@@ -358,7 +363,7 @@ class Scheduler:
         new: list[NewRequestData] = []
         cached: list[str] = []
         queue = self._queue
-        while len(self._running) < self.capacity:
+        while len(self._running) < self.capacity and not self.holding:
             wave = self._wave_key if self._running else None
             head = queue.peek(wave)
             if head is None:
@@ -559,7 +564,7 @@ class StepScheduler(Scheduler):
         ``schedule(now)`` admits W.  A query: changes nothing.  O(wave size).
         """
         queue = self._queue
-        if not isinstance(queue, PriorityQueue) or not self._running:
+        if not isinstance(queue, PriorityQueue) or not self._running or self.holding:
             return ()
         best = queue.peek(None)
         if best is None or best.solo:

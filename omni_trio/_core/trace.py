@@ -27,6 +27,8 @@ Events and the fields they use (``request_id`` is None for engine-wide events)::
     RESTART        -     detail: generation, backoff_s
     STALL          -     detail: phase, error
     DEAD           -     detail: error
+    SLEEP          -     detail: level, state (falling_asleep|asleep|failed)
+    WAKE           -     detail: state (waking|awake|failed)
     CLOSE          -     (engine closing)
     CLOSED         -     detail: leftovers (a dict of what is still held; empty when clean)
 """
@@ -59,6 +61,8 @@ class TraceKind(enum.StrEnum):
     RESTART = "restart"
     STALL = "stall"
     DEAD = "dead"
+    SLEEP = "sleep"
+    WAKE = "wake"
     CLOSE = "close"
     CLOSED = "closed"
 

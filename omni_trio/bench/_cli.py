@@ -27,6 +27,7 @@ EXPERIMENTS = (
     "executors",
     "policy",
     "dataparallel",
+    "sleep",
 )
 
 _HELP = {
@@ -41,6 +42,7 @@ _HELP = {
     "executors": "ray vs tractor vs inproc: per-request latency, throughput, startup",
     "policy": "fifo vs priority vs fair under a seeded open-loop mixed trace at 0.7x-2x capacity",
     "dataparallel": "serve --data-parallel vs replicas, workers and the two-process limit",
+    "sleep": "sleep and wake of a worker process: memory awake / asleep / woken, wake latency",
 }
 
 

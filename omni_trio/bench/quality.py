@@ -25,6 +25,17 @@ by cell and sample, so every pair occurs):
   for ``c2`` (same colour target) and ``s2`` (reported), and for the region outside the mask:
   its largest absolute deviation from the source as sent (uint8 / 255, over every image;
   target <= 2/255).  A source without a foreground has no mask: it is skipped and counted.
+
+``--lora`` measures a LoRA adapter's style instead: the engine registers ``--lora-path``
+(default ``builtin:shapes-outline``, the shipped ``outline`` adapter) as ``outline``, and the
+same prompt/seed grid is rendered twice through it, with ``lora=("outline", --lora-scale)``
+and without, all requests at once.  Each image is judged for its style too (the judge's
+``style``: ``"outline"`` when a share of the shape has no ink inside its border).  Reported
+per prompt and in total: the *style rate* with the adapter (target >= 90 %) and without it
+(target <= 5 %: the base model does not draw the style by itself), and colour and shape
+adherence with the adapter (targets >= 90 % each: the style must not cost the content).
+``--grid PNG`` also writes the first seed's pictures of every prompt, without and with the
+adapter, as one picture (docs/images/shapes-outline-grid.png is one).
 """
 
 from __future__ import annotations
@@ -44,14 +55,20 @@ __all__ = [
     "IMAGE_SEED_OFFSET",
     "INPAINT_DILATION_PX",
     "INPAINT_STRENGTH",
+    "LORA_ADHERENCE_TARGET",
+    "LORA_NAME",
+    "LORA_PATH",
     "SHAPE_TARGET",
     "STRENGTH",
+    "STYLE_WITHOUT_TARGET",
+    "STYLE_WITH_TARGET",
     "UNMASKED_TARGET",
     "add_arguments",
     "inpaint_mask",
     "other",
     "prompt_for",
     "run",
+    "write_grid",
 ]
 
 COLOUR_TARGET = 0.90
@@ -64,6 +81,14 @@ INPAINT_STRENGTH = 1.0
 IMAGE_SEED_OFFSET = 1000
 INPAINT_DILATION_PX = 3
 UNMASKED_TARGET = 2 / 255
+# --lora: the adapter (registered under LORA_NAME), the style it draws, and its targets: the
+# style in >= 90 % of pictures with it and <= 5 % without, colour and shape >= 90 % with it.
+LORA_NAME = "outline"
+LORA_PATH = "builtin:shapes-outline"
+LORA_STYLE = "outline"
+STYLE_WITH_TARGET = 0.90
+STYLE_WITHOUT_TARGET = 0.05
+LORA_ADHERENCE_TARGET = 0.90
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +133,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"--img2img: inpainting strength in (0, 1] (default {INPAINT_STRENGTH})",
+    )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="measure the outline LoRA adapter: style with and without it, adherence with it",
+    )
+    parser.add_argument(
+        "--lora-path",
+        default=None,
+        help=f"--lora: the adapter to measure (default {LORA_PATH}, the shipped one)",
+    )
+    parser.add_argument(
+        "--lora-scale", type=float, default=None, help="--lora: the adapter's scale (default 1)"
+    )
+    parser.add_argument(
+        "--grid",
+        default=None,
+        metavar="PNG",
+        help="--lora: write the first seed's pictures, without and with the adapter, here",
     )
 
 
@@ -190,10 +234,12 @@ async def _render_all(
     jobs: list[tuple[str, str, int]],
     params: SamplingParams,
     bar: Progress,
+    tag: str = "",
 ) -> list[Any]:
-    """Render every ``(colour, shape, seed)`` job; returns the images (HWC arrays) in order."""
+    """Render every ``(colour, shape, seed)`` job; returns the images (HWC arrays) in order.
+    ``tag`` goes into the request ids (two renders of the same grid in one engine)."""
     requests = [
-        (prompt_for(c, s), params.replace(seed=seed), f"quality-{c}-{s}-{seed}")
+        (prompt_for(c, s), params.replace(seed=seed), f"quality{tag}-{c}-{s}-{seed}")
         for c, s, seed in jobs
     ]
     return await _generate_all(engine, requests, bar)
@@ -209,6 +255,8 @@ def _strength(value: float | None, default: float, option: str, steps: int) -> f
 
 
 async def _main(args: argparse.Namespace, report: Report) -> None:
+    import trio
+
     from ..models.shapes import COLOURS, SHAPES
 
     samples = args.samples or (1 if args.quick else 10)
@@ -217,6 +265,12 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
         raise ValueError("--samples, --steps and --max-num-seqs must be >= 1")
     if not args.img2img and (args.strength is not None or args.inpaint_strength is not None):
         raise ValueError("--strength and --inpaint-strength need --img2img")
+    if not args.lora and (
+        args.lora_path is not None or args.lora_scale is not None or args.grid is not None
+    ):
+        raise ValueError("--lora-path, --lora-scale and --grid need --lora")
+    if args.lora and args.img2img:
+        raise ValueError("--lora and --img2img measure different things: choose one")
     report.params.update(
         {
             "model": args.model,
@@ -232,6 +286,8 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "quick": args.quick,
         }
     )
+    lora_path = args.lora_path or LORA_PATH
+    lora_scale = 1.0 if args.lora_scale is None else args.lora_scale
     config = EngineConfig(
         model=args.model,
         backend=args.backend,
@@ -239,6 +295,7 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
         torch_threads=args.torch_threads,
         cache_dir=args.cache_dir,
         warmup=False,
+        loras={LORA_NAME: lora_path} if args.lora else {},
     )
     params = SamplingParams(
         num_inference_steps=steps, guidance_scale=args.guidance, output_type="np"
@@ -265,6 +322,28 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             await _measure_img2img(
                 engine, jobs, samples, params, strength, inpaint_strength, args, report
             )
+        return
+    if args.lora:
+        report.params.update({"lora": True, "lora_path": lora_path, "lora_scale": lora_scale})
+        adapted = params.replace(lora=((LORA_NAME, lora_scale),))
+        async with open_engine(config) as engine:
+            with Progress(2 * len(jobs), "quality", enabled=not args.no_progress) as bar:
+                async with trio.open_nursery() as nursery:
+                    # Both grids at once: the engine batches each (the adapter is part of
+                    # the compatibility key, so the two never share a forward).
+                    rendered: dict[str, list[Any]] = {}
+
+                    async def grid(key: str, grid_params: SamplingParams) -> None:
+                        rendered[key] = await _render_all(
+                            engine, jobs, grid_params, bar, tag=f"-{key}"
+                        )
+
+                    nursery.start_soon(grid, "lora", adapted)
+                    nursery.start_soon(grid, "base", params)
+        _report_lora(cells, jobs, rendered["lora"], rendered["base"], report)
+        if args.grid is not None:
+            write_grid(args.grid, jobs, rendered["base"], rendered["lora"])
+            report.notes.append(f"grid (first seed of each prompt, without / with) -> {args.grid}")
         return
     async with open_engine(config) as engine:
         with Progress(len(jobs), "quality", enabled=not args.no_progress) as bar:
@@ -338,6 +417,142 @@ def _report_text2image(
         report.notes.append("colour adherence is below its target")
     if shape_rate < SHAPE_TARGET:
         report.notes.append("shape adherence is below its target")
+
+
+def write_grid(
+    path: str, jobs: list[tuple[str, str, int]], without: list[Any], with_lora: list[Any]
+) -> None:
+    """Write the first seed's picture of each prompt as a PNG: per shape a row without the
+    adapter and one with it, a column per colour, each picture scaled 4x (nearest)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    first: dict[tuple[str, str], tuple[Any, Any]] = {}
+    for (colour, shape, _), plain, adapted in zip(jobs, without, with_lora, strict=True):
+        first.setdefault((colour, shape), (plain, adapted))
+    colours = list(dict.fromkeys(c for c, _ in first))
+    shapes = list(dict.fromkeys(s for _, s in first))
+    scale, gap, label_w = 4, 4, 70
+    side = scale * max(np.asarray(p).shape[0] for p, _ in first.values())
+    width = label_w + len(colours) * (side + gap)
+    height = 2 * len(shapes) * (side + gap) + gap
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    for row, (shape, adapted) in enumerate((s, a) for s in shapes for a in (False, True)):
+        top = gap + row * (side + gap)
+        label = f"{shape}\n{'outline' if adapted else 'base'}"
+        draw.multiline_text((4, top + side // 2 - 12), label, fill=(0, 0, 0))
+        for column, colour in enumerate(colours):
+            picture = first.get((colour, shape))
+            if picture is None:
+                continue
+            pixels = np.clip(np.rint(np.asarray(picture[adapted]) * 255.0), 0, 255)
+            tile = Image.fromarray(pixels.astype(np.uint8)).resize(
+                (side, side), Image.Resampling.NEAREST
+            )
+            canvas.paste(tile, (label_w + column * (side + gap), top))
+    canvas.save(path)
+
+
+def _report_lora(
+    cells: list[tuple[str, str]],
+    jobs: list[tuple[str, str, int]],
+    with_lora: list[Any],
+    without: list[Any],
+    report: Report,
+) -> None:
+    """``--lora``: the style rate with and without the adapter and adherence with it."""
+    from ..models.shapes import judge
+
+    adapted = [judge(image) for image in with_lora]
+    plain = [judge(image) for image in without]
+    per_cell: dict[tuple[str, str], list[tuple[Any, Any]]] = {cell: [] for cell in cells}
+    for (colour, shape, _), a, p in zip(jobs, adapted, plain, strict=True):
+        per_cell[(colour, shape)].append((a, p))
+
+    def rates(pairs: list[tuple[Any, Any]], colour: str, shape: str) -> dict[str, float]:
+        n = len(pairs)
+        return {
+            "style_with": sum(a.style == LORA_STYLE for a, _ in pairs) / n,
+            "style_without": sum(p.style == LORA_STYLE for _, p in pairs) / n,
+            "colour_with": sum(a.colour == colour for a, _ in pairs) / n,
+            "shape_with": sum(a.shape == shape for a, _ in pairs) / n,
+            "colour_without": sum(p.colour == colour for _, p in pairs) / n,
+            "shape_without": sum(p.shape == shape for _, p in pairs) / n,
+        }
+
+    def row(prompt: str, n: int, r: dict[str, float], digits: int, seen: str) -> dict[str, Any]:
+        def pct(key: str) -> str:
+            return f"{100.0 * r[key]:.{digits}f}"
+
+        return {
+            "prompt": prompt,
+            "n": n,
+            "style % with": pct("style_with"),
+            "style % without": pct("style_without"),
+            "colour % with": pct("colour_with"),
+            "shape % with": pct("shape_with"),
+            "most often seen with": seen,
+        }
+
+    per_prompt: dict[str, dict[str, float]] = {}
+    for (colour, shape), pairs in per_cell.items():
+        r = rates(pairs, colour, shape)
+        per_prompt[prompt_for(colour, shape)] = r
+        counts = Counter(f"{a.colour or '-'} {a.shape or '-'} {a.style or '-'}" for a, _ in pairs)
+        seen = ", ".join(f"{k} x{n}" for k, n in counts.most_common(2))
+        report.rows.append(row(prompt_for(colour, shape), len(pairs), r, 0, seen))
+    total = len(jobs)
+    totals = {
+        key: sum(per_prompt[prompt_for(c, s)][key] * len(per_cell[(c, s)]) for c, s in cells)
+        / total
+        for key in next(iter(per_prompt.values()))
+    }
+    report.rows.append(row("total", total, totals, 1, ""))
+    met = {
+        "style_with_target_met": totals["style_with"] >= STYLE_WITH_TARGET,
+        "style_without_target_met": totals["style_without"] <= STYLE_WITHOUT_TARGET,
+        "colour_target_met": totals["colour_with"] >= LORA_ADHERENCE_TARGET,
+        "shape_target_met": totals["shape_with"] >= LORA_ADHERENCE_TARGET,
+    }
+    report.results = {
+        "images": 2 * total,
+        "style": LORA_STYLE,
+        "style_rate_with_lora": totals["style_with"],
+        "style_rate_without_lora": totals["style_without"],
+        "colour_adherence_with_lora": totals["colour_with"],
+        "shape_adherence_with_lora": totals["shape_with"],
+        "colour_adherence_without_lora": totals["colour_without"],
+        "shape_adherence_without_lora": totals["shape_without"],
+        "style_with_target": STYLE_WITH_TARGET,
+        "style_without_target": STYLE_WITHOUT_TARGET,
+        "adherence_target": LORA_ADHERENCE_TARGET,
+        **met,
+        "per_prompt": per_prompt,
+    }
+
+    def pct(rate: float) -> str:
+        return f"{100.0 * rate:.1f} %"
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    report.notes.append(
+        f"{LORA_STYLE} style with the adapter {pct(totals['style_with'])} "
+        f"(target >= {100 * STYLE_WITH_TARGET:.0f} %): {verdict(met['style_with_target_met'])}; "
+        f"without it {pct(totals['style_without'])} "
+        f"(target <= {100 * STYLE_WITHOUT_TARGET:.0f} %): "
+        f"{verdict(met['style_without_target_met'])}"
+    )
+    target = f"target >= {100 * LORA_ADHERENCE_TARGET:.0f} %"
+    report.notes.append(
+        f"with the adapter: colour adherence {pct(totals['colour_with'])} ({target}): "
+        f"{verdict(met['colour_target_met'])}; shape adherence {pct(totals['shape_with'])} "
+        f"({target}): {verdict(met['shape_target_met'])}"
+    )
+    report.notes.append(
+        f"without it: colour {pct(totals['colour_without'])}, shape {pct(totals['shape_without'])}"
+    )
 
 
 async def _measure_img2img(

@@ -31,7 +31,8 @@ open loop    Poisson arrivals at ``--rate`` requests/s (default: 70 % of the htt
 Three more parts (issue #20, :mod:`.serve_api`), on the same server: ``jobs`` (the jobs API
 against the synchronous endpoint), ``replay`` (resuming a job's events after a forced
 disconnect: events lost must be 0) and ``metrics`` (the server with and without its metrics,
-a second server whose metrics record nothing).  ``--parts`` picks what runs (default all).
+a second server whose metrics record nothing; the first is scraped once a second
+meanwhile).  ``--parts`` picks what runs (default all).
 
 Reported per part, load and mode: requests/s (min / median / max over rounds), latency p50 /
 p90 / p99 over every completed request, errors by HTTP status (http) or error type (direct);
@@ -579,7 +580,11 @@ async def _api_parts(
     from . import serve_api
 
     concurrency = plan.concurrency[-1]
-    rounds = {"requests": plan.requests, "concurrency": concurrency, "repeats": plan.repeats}
+    rounds: dict[str, Any] = {
+        "requests": plan.requests,
+        "concurrency": concurrency,
+        "repeats": plan.repeats,
+    }
     out: dict[str, Any] = {}
     async with _http_client(url, concurrency) as client:
         if "jobs" in parts:
@@ -603,20 +608,23 @@ async def _api_parts(
                 _open_http_server(config, metrics=False) as bare_url,
                 _http_client(bare_url, concurrency) as bare,
             ):
+                scraper = serve_api.Scraper(client)
                 out["metrics"] = await serve_api.compare(
                     {
                         "with": _http_call(client, plan.body),
                         "without": _http_call(bare, plan.body),
                     },
                     warmup=plan.warmup,
+                    alongside={"with": scraper.serve},
                     **rounds,
                 )
+                out["metrics_scrapes"] = {"ok": scraper.scrapes, "failed": scraper.failed}
             bar.advance()
     return out
 
 
 def _api_rows(report: Report, api: dict[str, Any], plan: _Plan) -> dict[str, Any]:
-    from .serve_api import summaries
+    from .serve_api import SCRAPE_INTERVAL_S, summaries
 
     results: dict[str, Any] = {}
     load = f"C={plan.concurrency[-1]}"
@@ -653,6 +661,13 @@ def _api_rows(report: Report, api: dict[str, Any], plan: _Plan) -> dict[str, Any
                     f"{part} {mode}: {figures['failed']} requests failed "
                     f"({format_errors(figures['errors'], 0)})"
                 )
+    scrapes = api.get("metrics_scrapes")
+    if scrapes is not None and "metrics" in results:
+        results["metrics"]["scrapes"] = scrapes
+        report.notes.append(
+            f"metrics: /metrics scraped every {SCRAPE_INTERVAL_S:g} s during the with rounds "
+            f"({scrapes['ok']} scrapes, {scrapes['failed']} failed)"
+        )
     if "replay" in api:
         replay = results["replay"] = api["replay"]
         report.notes.append(

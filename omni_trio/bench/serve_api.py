@@ -13,13 +13,18 @@ replay   ``--replay-jobs`` jobs of 50x the steps (at most max_steps), one at a t
 metrics  closed loop at the highest concurrency against the server as it runs and against a
          second one whose metrics record nothing (:class:`NullMetrics`, a bench-only stand-in
          whose ``observe_*`` calls do nothing), rounds interleaved: throughput and latency
-         with and without the metrics.
+         with and without the metrics.  While the ``with`` side runs, a :class:`Scraper`
+         reads its ``/metrics`` every :data:`SCRAPE_INTERVAL_S` (as Prometheus would), so the
+         cost of rendering them counts too.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+import trio
 
 from ..serve.metrics import ServeMetrics
 from .load import Call, LoadResult, Outcome, closed_loop, mode_summary
@@ -27,9 +32,12 @@ from .load import Call, LoadResult, Outcome, closed_loop, mode_summary
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["NullMetrics", "compare", "job_call", "replay_probe"]
+__all__ = ["SCRAPE_INTERVAL_S", "NullMetrics", "Scraper", "compare", "job_call", "replay_probe"]
 
 JOBS = "/v1/jobs"
+# The metrics part's scrape interval on the "with" side (Prometheus scrapes every 15 s by
+# default: once a second is a heavy scraper).
+SCRAPE_INTERVAL_S = 1.0
 
 
 class NullMetrics(ServeMetrics):
@@ -45,6 +53,33 @@ class NullMetrics(ServeMetrics):
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+class Scraper:
+    """Reads ``GET /metrics`` through ``client`` every ``interval_s`` while :meth:`serve`
+    runs; counts the scrapes that answered 200 and those that did not."""
+
+    def __init__(self, client: httpx.AsyncClient, interval_s: float = SCRAPE_INTERVAL_S) -> None:
+        self._client = client
+        self.interval_s = interval_s
+        self.scrapes = 0
+        self.failed = 0
+
+    async def serve(self) -> None:
+        """Scrape until cancelled (the first at once)."""
+        import httpx
+
+        while True:
+            try:
+                r = await self._client.get("/metrics")
+                ok = r.status_code == 200 and r.content.startswith(b"# HELP")
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                self.scrapes += 1
+            else:
+                self.failed += 1
+            await trio.sleep(self.interval_s)
 
 
 def job_call(client: httpx.AsyncClient, body: dict[str, Any]) -> Call:
@@ -122,13 +157,26 @@ async def replay_probe(
 
 
 async def compare(
-    calls: dict[str, Call], *, requests: int, concurrency: int, repeats: int, warmup: int
+    calls: dict[str, Call],
+    *,
+    requests: int,
+    concurrency: int,
+    repeats: int,
+    warmup: int,
+    alongside: Mapping[str, Callable[[], Awaitable[object]]] | None = None,
 ) -> dict[str, list[LoadResult]]:
-    """Closed-loop rounds of every call in turn (``warmup`` unmeasured rounds first)."""
+    """Closed-loop rounds of every call in turn (``warmup`` unmeasured rounds first).
+    ``alongside[name]``, when given, runs (cancelled after) during each round of ``name``:
+    load that belongs to that side, such as a :class:`Scraper`."""
     runs: dict[str, list[LoadResult]] = {name: [] for name in calls}
+    extra = alongside or {}
     for round_index in range(warmup + repeats):
         for name, call in calls.items():
-            result = await closed_loop(call, requests=requests, concurrency=concurrency)
+            async with trio.open_nursery() as nursery:
+                if name in extra:
+                    nursery.start_soon(extra[name])
+                result = await closed_loop(call, requests=requests, concurrency=concurrency)
+                nursery.cancel_scope.cancel()
             if round_index >= warmup:
                 runs[name].append(result)
     return runs

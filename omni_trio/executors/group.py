@@ -54,6 +54,7 @@ from .._core.messages import (
 from .._core.model_info import ModelInfo
 from ..config import EngineConfig
 from ..errors import EngineClosedError, EngineDeadError, PayloadError, StallError, WorkerError
+from ..extensions import wire_extensions
 from .base import Executor
 from .result_pump import OutputCallback, ResultPump, register_async_outputs
 
@@ -132,14 +133,17 @@ def secrets_hidden(environ: MutableMapping[str, str] | None = None) -> Iterator[
 
 def wire_config(config: EngineConfig) -> dict[str, Any]:
     """The configuration a worker process runs with: the engine's, as a single in-process
-    worker (inside the worker there is no executor), its thread count resolved here."""
+    worker (inside the worker there is no executor), its thread count resolved here, its
+    worker-side extension classes as import paths (:func:`~omni_trio.extensions.wire_extensions`:
+    :class:`InvalidConfigError` for a class another process cannot import)."""
     data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     data["backend"] = "inproc"
     data["num_workers"] = 1
     data["data_parallel_size"] = 1
     data["torch_threads"] = config.resolved_torch_threads
     data["model_options"] = dict(config.model_options)
-    return data
+    data["loras"] = dict(config.loras)
+    return wire_extensions(data)  # classes as import paths; no scheduler
 
 
 def exit_status(code: int | None) -> str:

@@ -14,7 +14,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -195,6 +195,31 @@ class DiffusionModel(abc.ABC):
         Call it once, right after loading, on every rank alike.  The default cannot.
         """
         return False
+
+    def sleep(self, level: int, directory: str | None = None) -> int:
+        """Release the weights' memory at ``level`` (see :mod:`omni_trio.models.offload`:
+        1 keeps a copy off the device, on a CPU in a file under ``directory``; 2 keeps
+        nothing and :meth:`wake_up` reloads them); returns the bytes released.  Never called
+        during :meth:`generate`; until :meth:`wake_up`, :meth:`generate` and the step
+        adapter raise ``RuntimeError``.  Raises ``ValueError`` for a level other than 1 or
+        2 (or 2 where the model cannot reload).  The default holds no weights: it releases
+        nothing."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        return 0
+
+    def wake_up(self) -> int:
+        """Take the weights back after :meth:`sleep`; returns the bytes restored (0 when
+        awake).  If it raises, the model is still asleep and waking may be tried again."""
+        return 0
+
+    def configure_loras(self, registry: Mapping[str, str], max_loaded: int) -> None:
+        """Register the LoRA adapters requests may name (name -> directory or shipped
+        ``builtin:`` name; :mod:`omni_trio.models.lora`), at most ``max_loaded`` loaded at
+        once.  Called once after loading.  A model with ``info.lora_input`` applies each
+        request's ``sampling.lora`` in :meth:`generate` (and its step adapter); the default
+        applies none, and the engine refuses requests naming one at admission."""
+        return None
 
     @abc.abstractmethod
     def to(self, device: torch.device | str) -> None:

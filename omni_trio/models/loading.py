@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidConfigError
 from .builtin import BUILTIN_MODELS, BUILTIN_PREFIX, ensure_builtin, shapes_dir
 from .echo import EchoModel
+from .factory import is_factory_model, load_factory_model, resolve_factory
 from .progress_bars import quiet_hf as quiet_hf
 
 if TYPE_CHECKING:
@@ -56,12 +57,13 @@ def _not_found(model: str) -> InvalidConfigError:
 
 
 def check_model_early(model: str, backend: object) -> None:
-    """:func:`check_model` where this process can answer it: a built-in always, a path unless
-    the workers may be other machines (``backend="ray"``), never a name of another
-    ``scheme:`` (a loader that is not ours).  The command line and the daemon run it before
-    anything starts."""
+    """:func:`check_model` where this process can answer it: a built-in always, a path or a
+    model factory (``"package.module:factory"``) unless the workers may be other machines
+    (``backend="ray"``), never a name of another ``scheme:`` (a loader that is not ours).
+    The command line and the daemon run it before anything starts."""
     scheme, sep, _ = model.partition(":")
     foreign = bool(sep) and scheme.isidentifier() and "/" not in scheme
+    foreign = foreign and not is_factory_model(model)
     if model.startswith(BUILTIN_PREFIX) or (backend != "ray" and not foreign):
         check_model(model)
 
@@ -71,8 +73,10 @@ def check_model(model: str) -> None:
 
     Raises :class:`InvalidConfigError` (``field="model"``) for an unknown built-in (listing
     the built-ins), a path that is not a directory (a Hugging Face Hub id gets how to make a
-    local copy) or a directory without ``model_index.json``.  The command line runs it before
-    it starts an engine, so a bad model is one line at once.
+    local copy), a directory without ``model_index.json``, or a model factory
+    (``"package.module:factory"``, :mod:`omni_trio.models.factory`) that cannot be imported,
+    is not callable or does not take its keyword arguments (its module is imported).  The
+    command line runs it before it starts an engine, so a bad model is one line at once.
     """
     if model.startswith(BUILTIN_PREFIX):
         if model not in BUILTIN_MODELS:
@@ -80,6 +84,9 @@ def check_model(model: str) -> None:
                 f"unknown built-in model {model!r}; built-ins are {', '.join(BUILTIN_MODELS)}",
                 field="model",
             )
+        return
+    if is_factory_model(model):
+        resolve_factory(model)
         return
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -138,7 +145,9 @@ def load_model(
     cache_dir: Path,
     options: Mapping[str, Any],
 ) -> DiffusionModel:
-    """Load ``model``: a built-in name (:data:`BUILTIN_MODELS`) or a local diffusers directory.
+    """Load ``model``: a built-in name (:data:`BUILTIN_MODELS`), a local diffusers directory or
+    a model factory ``"package.module:factory"`` (called with ``device``, ``dtype`` and
+    ``options``; see :mod:`omni_trio.models.factory`).
 
     Blocking (may build a built-in on first use, about a second, under
     ``cache_dir / "builtin"``; ``builtin:shapes`` ships built, in the package).
@@ -151,6 +160,8 @@ def load_model(
     is absent is filtered out (only that message).
     """
     check_model(model)
+    if is_factory_model(model):  # the factory's own model: no diffusers here
+        return load_factory_model(model, device=device, dtype=dtype, options=options)
     quiet_import_advice()  # before diffusers imports transformers' image processors
     from .pipeline import DiffusersModel
 

@@ -50,6 +50,8 @@ from .base import (
     StepHook,
 )
 from .builtin import MARKER
+from .lora import InvalidLoraError, LoraSlots
+from .offload import WeightSleeper
 from .pipeline_checks import check_text2image_schedule, check_unconditional_params
 
 if TYPE_CHECKING:
@@ -273,6 +275,7 @@ class DiffusersModel(DiffusionModel):
             calibrate=True,
             scheduler=_scheduler_name(pipe),
             image_input=_takes_pictures(pipe, adapter),
+            lora_input=text_conditioned and hasattr(pipe, "load_lora_weights"),
         )
         self._pipe: Any = pipe
         # Held for every use of the pipeline: generate, to, and the step adapter's calls.
@@ -281,6 +284,11 @@ class DiffusersModel(DiffusionModel):
         # Set once by enable_cfg_parallel; the hooks stay on the UNet until close.
         self._cfg: CfgSplit | None = None
         self._cfg_hooks: Any = None
+        # Where the weights come from again (level-2 sleep): set by from_pretrained.
+        self._source: tuple[Path, torch.dtype] | None = None
+        self._sleeper: WeightSleeper | None = None
+        # The LoRA adapters (configure_loras); None: the model applies none.
+        self._loras: LoraSlots | None = None
 
     @classmethod
     def from_pretrained(
@@ -290,25 +298,15 @@ class DiffusersModel(DiffusionModel):
 
         Raises :class:`InvalidConfigError` if diffusers cannot load it or cannot serve it.
         """
-        import importlib.util
-
-        from diffusers import DiffusionPipeline
-
-        from .progress_bars import quiet_hf
-        from .shapes import _vae  # noqa: F401 - diffusers resolves PixelSpaceVAE via sys.modules
-
-        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
-        if importlib.util.find_spec("accelerate") is None:
-            kwargs["low_cpu_mem_usage"] = False  # what diffusers falls back to, minus a warning
         try:
-            with quiet_hf():
-                pipe = DiffusionPipeline.from_pretrained(str(path), **kwargs)
+            pipe = _load_pipeline(path, dtype)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
             raise InvalidConfigError(
                 f"cannot load model {name!r} from {str(path)!r}: {type(exc).__name__}: {exc}",
                 field="model",
             ) from exc
         model = cls(pipe, name=name, declared=declared(path))
+        model._source = (Path(path), dtype)
         model.to(device)
         return model
 
@@ -319,10 +317,81 @@ class DiffusersModel(DiffusionModel):
 
     @property
     def pipeline(self) -> Any:
-        """The wrapped diffusers pipeline (raises ``RuntimeError`` once closed)."""
+        """The wrapped diffusers pipeline (raises ``RuntimeError`` once closed, and while
+        asleep)."""
         if self._pipe is None:
             raise RuntimeError(f"model {self.info.name} is closed")
+        if self._sleeper is not None and self._sleeper.asleep:
+            raise RuntimeError(
+                f"model {self.info.name} is asleep (level {self._sleeper.level}): wake it up first"
+            )
         return self._pipe
+
+    def _weights(self) -> WeightSleeper:
+        """The sleeper of this pipeline's torch modules (made on first use)."""
+        if self._sleeper is None:
+            import torch
+
+            pipe = self.pipeline
+            modules = {
+                name: component
+                for name, component in pipe.components.items()
+                if isinstance(component, torch.nn.Module)
+            }
+            self._sleeper = WeightSleeper(
+                modules,
+                torch.device(pipe.device),
+                reload=self._reload if self._source is not None else None,
+            )
+        return self._sleeper
+
+    def _reload(self) -> dict[str, dict[str, Any]]:
+        """The parameters of every torch module, read again from the model's directory."""
+        assert self._source is not None
+        import torch
+
+        path, dtype = self._source
+        fresh = _load_pipeline(path, dtype)
+        return {
+            name: dict(component.named_parameters())
+            for name, component in fresh.components.items()
+            if isinstance(component, torch.nn.Module)
+        }
+
+    def sleep(self, level: int, directory: str | None = None) -> int:
+        """See :meth:`DiffusionModel.sleep`: every torch module of the pipeline releases its
+        parameters (:class:`~omni_trio.models.offload.WeightSleeper`); level 2 reloads them
+        from the model's directory at wake.  Loaded LoRA adapters are unloaded first (they
+        load again on their next use)."""
+        with self._lock:
+            if self._pipe is None:
+                raise RuntimeError(f"model {self.info.name} is closed")
+            if self._loras is not None:
+                self._loras.close()
+            return self._weights().sleep(level, directory)
+
+    def configure_loras(self, registry: Mapping[str, str], max_loaded: int) -> None:
+        """See :meth:`DiffusionModel.configure_loras`: adapters load on first use into a
+        :class:`~omni_trio.models.lora.LoraSlots`."""
+        if self.info.lora_input and registry:
+            self._loras = LoraSlots(self.pipeline, registry, max_loaded)
+
+    def use_lora(self, spec: Any) -> None:
+        """Make the adapters of ``spec`` active (call it holding the lock).  Raises
+        :class:`~omni_trio.models.lora.InvalidLoraError`."""
+        if self._loras is None:
+            if spec:
+                raise InvalidLoraError(f"model {self.info.name} has no LoRA adapters registered")
+            return
+        self._loras.apply(spec)
+
+    def wake_up(self) -> int:
+        """See :meth:`DiffusionModel.wake_up`."""
+        with self._lock:
+            sleeper = self._sleeper
+            if self._pipe is None or sleeper is None:
+                return 0
+            return sleeper.wake_up()
 
     def step_adapter(self) -> StepAdapter | None:
         """See :meth:`DiffusionModel.step_adapter`.
@@ -380,6 +449,7 @@ class DiffusersModel(DiffusionModel):
             return self._generate_from_pictures(requests, generators, output_type, on_step)
         with self._lock:
             pipe = self.pipeline
+            self.use_lora(requests[0].sampling.lora if requests else ())
             params = BatchParams.from_requests(requests, generators, self.info, output_type)
             n = params.num_outputs
             # Output k of request i draws from request i's generator, in order.
@@ -502,12 +572,32 @@ class DiffusersModel(DiffusionModel):
             hooks, self._cfg_hooks, self._cfg = self._cfg_hooks, None, None
             if hooks is not None:
                 hooks.remove()
+            sleeper, self._sleeper = self._sleeper, None
+            if sleeper is not None:
+                sleeper.close()
+            self._loras = None
             self._pipe = None
             gc.collect()
             import torch
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def _load_pipeline(path: Path, dtype: torch.dtype) -> Any:
+    """A local diffusers directory's pipeline on the CPU as ``dtype`` (never the network)."""
+    import importlib.util
+
+    from diffusers import DiffusionPipeline
+
+    from .progress_bars import quiet_hf
+    from .shapes import _vae  # noqa: F401 - diffusers resolves PixelSpaceVAE via sys.modules
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if importlib.util.find_spec("accelerate") is None:
+        kwargs["low_cpu_mem_usage"] = False  # what diffusers falls back to, minus a warning
+    with quiet_hf():
+        return DiffusionPipeline.from_pretrained(str(path), **kwargs)
 
 
 def _takes_pictures(pipe: Any, adapter: StepAdapter | None) -> bool:

@@ -56,7 +56,8 @@ __all__ = [
 
 class PipelineHost(Protocol):
     """What a step adapter needs of its model (a ``DiffusersModel`` is one): what it is,
-    its pipeline, the lock every use of the pipeline holds, and the CFG-parallel block."""
+    its pipeline, the lock every use of the pipeline holds, the CFG-parallel block, and the
+    LoRA adapters (made active while holding the lock)."""
 
     info: ModelInfo
 
@@ -67,6 +68,8 @@ class PipelineHost(Protocol):
     def lock(self) -> AbstractContextManager[Any]: ...
 
     def cfg_guided(self, doubled: bool) -> AbstractContextManager[None]: ...
+
+    def use_lora(self, spec: Any) -> None: ...
 
 
 def make_step_adapter(model: PipelineHost, pipe: Any, family: Family) -> StepAdapter | None:
@@ -166,6 +169,7 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
 
         with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
+            self._model.use_lora(request.sampling.lora)  # the text encoder may be adapted
             params = self._params(request, generator)
             check_text2image_schedule(self._model.info, pipe.scheduler, params, request.request_id)
             n = params.num_outputs
@@ -239,7 +243,11 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
             )
 
     def _batch_key(self, state: StepState) -> Mapping[str, Any]:
-        return {**super()._batch_key(state), "guidance_scale": state.extra["guidance_scale"]}
+        return {
+            **super()._batch_key(state),
+            "guidance_scale": state.extra["guidance_scale"],
+            "lora": tuple(tuple(pair) for pair in state.request.sampling.lora),
+        }
 
     def denoise_step(self, states: Sequence[StepState]) -> list[Any]:
         """See :meth:`StepAdapter.denoise_step`.  Negative prompts may be mixed (a missing one
@@ -249,6 +257,8 @@ class Text2ImageStepAdapter(_DiffusersStepAdapter):
         with self._model.lock, torch.no_grad():
             pipe = self._model.pipeline
             check_step_batch(states, self._batch_key)
+            if states:
+                self._model.use_lora(states[0].request.sampling.lora)
             device = pipe._execution_device
             # Each request is scaled by its own scheduler (Euler: by its own current sigma).
             latents = torch.cat(

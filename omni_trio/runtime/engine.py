@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -37,9 +38,9 @@ from .._core.engine_core import (
     Instruction,
     StopForwards,
 )
+from .._core.health import SLEEP_LEVELS, GroupState, SleepState, WorkerState
 from .._core.health import EngineHealth as EngineHealth
 from .._core.health import EngineStatistics as EngineStatistics
-from .._core.health import GroupState, WorkerState
 from .._core.health import PhaseSummary as PhaseSummary
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput, RunnerOutput, SchedulerOutput
@@ -50,6 +51,7 @@ from ..config import EngineConfig
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
+    InvalidRequestError,
     PayloadError,
     StallError,
     WorkerError,
@@ -58,6 +60,7 @@ from ..executors.base import Executor
 from ..executors.result_pump import async_output_timeout_s
 from .calibration import calibrate
 from .pictures import canonical_pictures
+from .profiling import EngineProfile
 from .request_stream import OutputStreams, RequestStream
 from .rpc_queue import RpcQueue
 from .worker_group import GroupEvents, WorkerGroup
@@ -111,6 +114,11 @@ class AsyncEngine:
         self._group: WorkerGroup | None = None
         self._warming = False  # warmup traffic is nobody's request: kept out of statistics
         self._ignored_warned: set[str] = set()
+        # Sleep and wake run one at a time; the group whose workers were put to sleep (a
+        # group started since, by a restart, is put to sleep again before anything else).
+        self._sleep_lock = trio.Lock()
+        self._asleep_group: Executor | None = None
+        self._profile = EngineProfile()  # start_profile / stop_profile (.profiling)
 
     @property
     def trace(self) -> TraceRecorder | None:
@@ -311,6 +319,9 @@ class AsyncEngine:
             if executor is None or core.group is not GroupState.RUNNING:
                 await self._group_changed.wait()  # a new group; death cancels the loop
                 continue
+            if core.sleep_state is SleepState.ASLEEP and self._asleep_group is not executor:
+                await self._sleep_again(executor)
+                continue
             if not core.has_work() and not self._rpcs:
                 self._wake = trio.Event()
                 await self._wake.wait()
@@ -474,6 +485,34 @@ class AsyncEngine:
             method, args, kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank
         )
 
+    @property
+    def profiling(self) -> bool:
+        """Between :meth:`start_profile` and :meth:`stop_profile`."""
+        return self._profile.active
+
+    async def start_profile(
+        self, directory: str | os.PathLike[str], prefix: str | None = None
+    ) -> None:
+        """Start ``torch.profiler`` on every worker, between batches (a control RPC).
+
+        Each worker will write ``<directory>/<prefix>-rank<N>.json``, a Chrome trace
+        (chrome://tracing, Perfetto); ``directory`` is made if missing, a relative one is
+        each worker process's.  ``prefix`` defaults to ``omni-trio-<date-time>-<hex>``.
+        Raises ``RuntimeError`` while profiling, ``ValueError`` for a bad prefix, and
+        :class:`WorkerError` when a worker cannot start (no worker is left profiling then).
+        See :mod:`omni_trio.runtime.profiling`.
+        """
+        self.core.check_open()
+        await self._profile.start(self.collective_rpc, directory, prefix)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop profiling (between batches); every worker writes its trace.  Returns their
+        absolute paths, one per rank.  Raises ``RuntimeError`` when not profiling and
+        :class:`WorkerError` when a worker could not write its trace, or was not profiling
+        (its group restarted meanwhile); the engine profiles no more either way."""
+        self.core.check_open()
+        return await self._profile.stop(self.collective_rpc)
+
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, where the backend tracks it."""
         return self.executor.progress(request_id)
@@ -487,6 +526,140 @@ class AsyncEngine:
         """Where an admitted request is in its lifecycle (no checkpoint); None once its state
         is removed (it ended) or for an unknown id."""
         return self.core.status_of(request_id)
+
+    # -- sleep and wake ----------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Put the workers to sleep: release the model's weights at ``level``.
+
+        Level 1 keeps a copy off the device (on an accelerator in host memory, on a CPU in
+        a file under ``EngineConfig.sleep_dir``); level 2 keeps nothing, and
+        :meth:`wake_up` reloads the weights from the model's directory.  From the call on no
+        waiting request starts (nor is admitted, with ``reject_while_asleep``: then
+        :class:`EngineAsleepError`); the requests running and the outputs being packed
+        finish first, within ``sleep_drain_timeout_s``.  Then every worker drains its
+        output packer and releases its weights, between forwards, never during one.
+        Requests that arrive meanwhile wait and run after :meth:`wake_up`.
+
+        Returns each rank's report (``rank``, ``level``, ``released_bytes``, ``rss_bytes``).
+        Raises :class:`InvalidRequestError` for a level other than 1 or 2,
+        :class:`StallError` (phase ``sleep``, naming them) if the running requests or the
+        outputs being packed did not finish in time, and what a worker raised (a
+        :class:`WorkerError`; an engine that was awake has every rank woken again; a
+        worker's packer that did not drain in time is a :class:`StallError` too).  After
+        any failure the engine is as it was (awake and waiting requests start, or asleep at
+        its former level).  Sleeping when asleep at a deeper level changes nothing; a second
+        sleep or wake waits for the first.  If cancelled while waiting for the running
+        requests, the engine stays as it was; once the workers were asked, it waits for
+        their answer.  :class:`EngineClosedError` / :class:`EngineDeadError` if the engine
+        ends first.
+        """
+        if level not in SLEEP_LEVELS or isinstance(level, bool):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
+        core = self.core
+        async with self._sleep_lock:
+            was_awake = core.sleep_state is SleepState.AWAKE
+            core.begin_sleep(level, trio.current_time())
+            self._wake.set()
+            reports: list[dict[str, Any]] = []
+            asked = False
+            try:
+                await self._wait_not_busy()
+                core.check_open()  # (no checkpoint from here to the queued RPC)
+                asked = True
+                with trio.CancelScope(shield=True):
+                    reports = await self._rpcs.call(
+                        "sleep",
+                        (level,),
+                        {"drain_timeout_s": self.config.sleep_drain_timeout_s},
+                        timeout=self.config.rpc_timeout_s,
+                        unique_reply_rank=None,
+                    )
+            except BaseException as exc:
+                core.sleep_failed(trio.current_time(), f"{type(exc).__name__}: {exc}")
+                self._wake.set()
+                if asked and was_awake and core.accepting:
+                    with trio.CancelScope(shield=True):
+                        await self._wake_every_rank()
+                if isinstance(exc, WorkerError) and exc.error_type == "StallError":
+                    raise StallError("sleep", str(exc)) from exc  # a packer that did not drain
+                raise
+            core.fell_asleep(level, trio.current_time())
+            self._asleep_group = self._executor
+            self._changed = _pulse(self._changed)
+            return reports
+
+    async def _wait_not_busy(self) -> None:
+        """Wait (bounded by ``sleep_drain_timeout_s``) until nothing runs or packs."""
+        core = self.core
+        timeout = self.config.sleep_drain_timeout_s
+        with trio.move_on_after(timeout):
+            while core.busy_ids():
+                await self._changed.wait()
+            return
+        raise StallError(
+            "sleep",
+            f"requests {core.busy_ids()} were still running or being packed after "
+            f"{timeout} s (sleep_drain_timeout_s); the engine stays awake",
+        )
+
+    async def _wake_every_rank(self) -> None:
+        """After a failed sleep: wake every rank that did sleep (best effort, logged)."""
+        try:
+            await self._rpcs.call(
+                "wake_up", (), {}, timeout=self.config.rpc_timeout_s, unique_reply_rank=None
+            )
+        except Exception:
+            log.exception("could not wake the workers after a failed sleep")
+
+    async def _sleep_again(self, executor: Executor) -> None:
+        """A group started while the engine sleeps (a restart): put it to sleep too."""
+        self._asleep_group = executor
+        try:
+            await executor.collective_rpc(
+                "sleep",
+                self.core.sleep_level,
+                timeout=self.config.rpc_timeout_s,
+                unique_reply_rank=None,
+                drain_timeout_s=self.config.sleep_drain_timeout_s,
+            )
+        except Exception:
+            log.exception("could not put the restarted worker group to sleep")
+
+    async def wake_up(self) -> list[dict[str, Any]]:
+        """Give the workers their weights back; waiting requests start again.  Returns each
+        rank's report (``rank``, ``restored_bytes``, ``rss_bytes``), ``[]`` when awake.
+
+        Raises what a worker raised (e.g. a :class:`WorkerError` when a level-2 reload
+        failed): the engine then stays asleep and ``wake_up`` may be tried again.  Once the
+        workers were asked, cancelling waits for their answer."""
+        core = self.core
+        async with self._sleep_lock:
+            core.check_open()
+            if not core.begin_wake(trio.current_time()):
+                return []
+            try:
+                with trio.CancelScope(shield=True):
+                    reports: list[dict[str, Any]] = await self._rpcs.call(
+                        "wake_up",
+                        (),
+                        {},
+                        timeout=self.config.rpc_timeout_s,
+                        unique_reply_rank=None,
+                    )
+            except BaseException as exc:
+                core.wake_failed(trio.current_time(), f"{type(exc).__name__}: {exc}")
+                raise
+            core.woke(trio.current_time())
+            self._asleep_group = None
+            self._changed = _pulse(self._changed)
+            self._wake.set()
+            return reports
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Falling asleep, asleep or waking up (no waiting request starts)."""
+        return self.core.sleep_state is not SleepState.AWAKE
 
     # -- health, statistics, leftovers -----------------------------------------------------
 
@@ -547,6 +720,8 @@ class AsyncEngine:
         return (
             core.group is GroupState.RUNNING
             and not core.has_work()
+            # (Held by a sleep, waiting requests are no work now, but the engine is not idle.)
+            and not core.scheduler.has_unfinished_requests()
             and core.dispatch is None
             and core.scheduler.num_packing == 0
             and not self._rpcs

@@ -46,6 +46,8 @@ class RpcQueue:
         self._queue: deque[_PendingRpc] = deque()
         self._on_queued = on_queued
         self.running = False
+        # Set by fail_all (the engine closed or died): later calls raise it at once.
+        self._failed: BaseException | None = None
 
     def __bool__(self) -> bool:
         """Some RPC waits to run."""
@@ -66,8 +68,11 @@ class RpcQueue:
     ) -> Any:
         """Queue ``method`` and wait for its result.  Raises :class:`StallError` if
         ``timeout`` passes while it is still queued (it is then skipped), and whatever the
-        RPC raised (the executor's :class:`StallError` if it ran past ``timeout``).  If
-        cancelled while queued, the RPC never runs."""
+        RPC raised (the executor's :class:`StallError` if it ran past ``timeout``), and the
+        error of :meth:`fail_all` at once after it.  If cancelled while queued, the RPC
+        never runs."""
+        if self._failed is not None:
+            raise self._failed
         rpc = _PendingRpc(method, args, kwargs, timeout, unique_reply_rank)
         self._queue.append(rpc)
         self._on_queued()
@@ -121,7 +126,9 @@ class RpcQueue:
             rpc.done.set()
 
     def fail_all(self, error: BaseException) -> None:
-        """Every queued RPC raises ``error`` to its caller (the engine closed or died)."""
+        """Every queued RPC raises ``error`` to its caller (the engine closed or died), and
+        so does every later :meth:`call`."""
+        self._failed = error
         for rpc in self._queue:
             rpc.error = error
             rpc.done.set()

@@ -3,12 +3,14 @@
 It runs an :class:`AsyncEngine` in its own trio run on a background thread and forwards
 calls to it; its surface is the async engine's, blocking: ``generate``, ``stream`` (a
 :class:`SyncRequestStream`, a blocking iterator), ``abort``, ``progress``, ``collective_rpc``,
-``check_health``, ``health`` and ``statistics``.  The thread is owned: :meth:`Engine.close`
-(or leaving the ``with`` block) closes the engine and joins the thread, so nothing outlives it.
+``sleep`` / ``wake_up``, ``start_profile`` / ``stop_profile``, ``check_health``, ``health`` and
+``statistics``.  The thread is owned: :meth:`Engine.close` (or leaving the ``with`` block)
+closes the engine and joins the thread, so nothing outlives it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from types import TracebackType
@@ -206,6 +208,39 @@ class Engine:
             lambda: engine.collective_rpc(method, *args, timeout=timeout, **kwargs),
             trio_token=token,
         )
+
+    def start_profile(self, directory: str | os.PathLike[str], prefix: str | None = None) -> None:
+        """Blocking ``AsyncEngine.start_profile``: every worker starts ``torch.profiler``."""
+        engine, token = self._target()
+        try:
+            trio.from_thread.run(lambda: engine.start_profile(directory, prefix), trio_token=token)
+        except trio.RunFinishedError:
+            raise EngineClosedError("engine is closed") from None
+
+    def stop_profile(self) -> list[str]:
+        """Blocking ``AsyncEngine.stop_profile``: the trace paths, one per rank."""
+        engine, token = self._target()
+        try:
+            paths: list[str] = trio.from_thread.run(engine.stop_profile, trio_token=token)
+        except trio.RunFinishedError:
+            raise EngineClosedError("engine is closed") from None
+        return paths
+
+    def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Release the model's weights; see ``AsyncEngine.sleep``."""
+        engine, token = self._target()
+        try:
+            return trio.from_thread.run(engine.sleep, level, trio_token=token)
+        except trio.RunFinishedError:
+            raise EngineClosedError("engine is closed") from None
+
+    def wake_up(self) -> list[dict[str, Any]]:
+        """Take the weights back; see ``AsyncEngine.wake_up``."""
+        engine, token = self._target()
+        try:
+            return trio.from_thread.run(engine.wake_up, trio_token=token)
+        except trio.RunFinishedError:
+            raise EngineClosedError("engine is closed") from None
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         """(steps done, total steps) of a running request, ``None`` while it is queued or

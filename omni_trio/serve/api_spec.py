@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ANSWER_BODIES",
     "EDIT_FIELDS",
     "ENDPOINTS",
     "ERROR_CODES",
+    "ENGINE_ERROR_CODES",
     "EVENTS",
     "GENERATION_FIELDS",
     "JOB_FIELDS",
+    "PROFILE_FIELDS",
+    "SLEEP_FIELDS",
     "MAX_PARTIAL_IMAGES",
     "MAX_SEED",
     "Endpoint",
@@ -32,6 +36,7 @@ __all__ = [
     "bounds",
     "field_named",
     "openapi_document",
+    "response_schemas",
 ]
 
 MAX_SEED = 2**32 - 1
@@ -77,7 +82,7 @@ class FieldSpec:
     (named in ``X-Omni-Trio-Ignored-Fields``); ``extension``: not in OpenAI's API."""
 
     name: str
-    type: str  # "string", "integer", "number", "boolean", "file"
+    type: str  # "string", "integer", "number", "boolean", "file", "lora"
     description: str
     minimum: int | float | str | None = None
     maximum: int | float | str | None = None
@@ -164,6 +169,14 @@ GENERATION_FIELDS: tuple[FieldSpec, ...] = (
         extension=True,
     ),
     FieldSpec(
+        "lora",
+        "lora",
+        "LoRA adapters to apply (the server's --lora names, listed by GET /v1/models): a name "
+        '(scale 1.0), or a list of names and {"name", "scale"} objects (scale a finite number '
+        "in -10..10); requests with other adapters never share a forward",
+        extension=True,
+    ),
+    FieldSpec(
         "num_inference_steps",
         "integer",
         "denoising steps (default: the model's)",
@@ -238,6 +251,34 @@ JOB_FIELDS: tuple[FieldSpec, ...] = (
 )
 
 
+# POST /v1/admin/start_profile.
+PROFILE_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec(
+        "directory",
+        "string",
+        "where the workers write their traces, on the server: made if missing; a relative "
+        "path is the server's working directory's",
+        default="profiles",
+        extension=True,
+    ),
+)
+
+
+# POST /v1/admin/sleep.
+SLEEP_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec(
+        "level",
+        "integer",
+        "1: every worker keeps a copy of the weights off the device (on a CPU in a file); "
+        "2: none, reloaded from the model's directory at the wake",
+        minimum=1,
+        maximum=2,
+        default=1,
+        extension=True,
+    ),
+)
+
+
 def field_named(name: str, fields: Sequence[FieldSpec] = GENERATION_FIELDS) -> FieldSpec:
     for spec in fields:
         if spec.name == name:
@@ -262,7 +303,8 @@ class Endpoint:
     method: str
     path: str
     summary: str
-    request: str | None = None  # "generation", "edit", "variation", "job"
+    # "generation", "edit", "variation", "job", "profile", "sleep"
+    request: str | None = None
     answers: Mapping[int, str] = field(default_factory=dict)
     events: tuple[str, ...] = ()
     open: bool = False  # no API key needed
@@ -357,7 +399,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "an image kept for response_format=url",
         answers={200: "the image bytes"},
     ),
-    Endpoint("GET", "/v1/models", "the served model", answers={200: "the model list"}),
+    Endpoint(
+        "GET",
+        "/v1/models",
+        "the served model, then each LoRA adapter (--lora) with its parent",
+        answers={200: "the model list"},
+    ),
     Endpoint(
         "GET",
         "/openapi.json",
@@ -374,6 +421,38 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         open=True,
     ),
     Endpoint("GET", "/metrics", "Prometheus metrics", answers={200: "text exposition"}),
+    Endpoint(
+        "POST",
+        "/v1/admin/start_profile",
+        "start torch.profiler on every worker of every replica",
+        "profile",
+        {200: '{"directory", "replicas": [index], "skipped": [index]}'},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/admin/stop_profile",
+        "stop profiling: each worker writes its Chrome trace",
+        answers={200: '{"traces": [path]}'},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/admin/sleep",
+        "release the weights of every replica's workers; generations wait until the wake",
+        "sleep",
+        {200: '{"sleeping": true, "level", "replicas": [{"index", "ranks"}]}'},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/admin/sleep",
+        "whether the server sleeps",
+        answers={200: '{"sleeping", "level", "replicas": [{"index", "state", "level"}]}'},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/admin/wake_up",
+        "give the workers their weights back; waiting generations run",
+        answers={200: '{"sleeping": false, "level": 0, "replicas": [{"index", "ranks"}]}'},
+    ),
 )
 
 EVENTS: dict[str, str] = {
@@ -402,6 +481,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unknown_url": (404, "no such route"),
     "method_not_allowed": (405, "the route takes other methods (Allow says which)"),
     "request_header_fields_too_large": (431, "request line and headers over 16 KiB"),
+    # Answered by the HTTP server itself (omni_trio.serve.http), before the app sees a request.
+    "invalid_http_request": (400, "a malformed request line, header or framing (HTTP/1.1)"),
+    "not_implemented": (501, "an unsupported transfer coding (HTTP/1.1)"),
+    "http_version_not_supported": (505, "an HTTP version other than 1.x or 2"),
     "invalid_request": (
         400,
         "a malformed request (both Content-Length and Transfer-Encoding, a bad Content-Length)",
@@ -462,6 +545,15 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "aborted": (503, "the request was aborted by the server (drain, restart_wait_s)"),
     "timeout": (504, "the request's timeout passed; it was aborted (not retried)"),
     "request_quarantined": (500, "the workers failed each time it ran (not retried)"),
+    "already_profiling": (409, "start_profile while profiling"),
+    "not_profiling": (409, "stop_profile while not profiling"),
+    "invalid_profile_directory": (400, "a profile directory the server cannot make or write"),
+    "profile_failed": (500, "a worker could not start profiling or write its trace"),
+    "invalid_lora": (400, "a LoRA adapter the workers cannot apply (not an adapter, wrong model)"),
+    "engine_asleep": (503, "the server sleeps and reject_while_asleep is set (Retry-After)"),
+    "sleep_timeout": (503, "the requests running did not finish within sleep_drain_timeout_s"),
+    "sleep_failed": (500, "a worker could not release its weights; the server stays awake"),
+    "wake_failed": (500, "a worker could not take its weights back; the server still sleeps"),
     "internal_error": (500, "a bug: the message names the request id"),
 }
 
@@ -472,6 +564,24 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
 def _schema(spec: FieldSpec, limits: ServeLimits) -> dict[str, Any]:
     if spec.type == "file":
         return {"type": "string", "format": "binary", "description": spec.description}
+    if spec.type == "lora":
+        adapter = {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "scale": {"type": "number", "minimum": -10, "maximum": 10, "default": 1.0},
+            },
+        }
+        return {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"oneOf": [{"type": "string"}, adapter]}},
+            ],
+            "description": spec.description,
+            "x-omni-trio-extension": True,
+        }
     schema: dict[str, Any] = {"type": spec.type, "description": spec.description}
     low, high = _limit(spec.minimum, limits), _limit(spec.maximum, limits)
     if low is not None:
@@ -503,53 +613,336 @@ def _object(fields: Sequence[FieldSpec], limits: ServeLimits) -> dict[str, Any]:
 
 
 def request_fields(kind: str) -> tuple[FieldSpec, ...]:
-    """The fields of a request body: ``generation``, ``edit``, ``variation`` or ``job``."""
+    """The fields of a request body: ``generation``, ``edit``, ``variation``, ``job``,
+    ``profile`` or ``sleep``."""
     if kind == "generation":
         return GENERATION_FIELDS
     if kind == "job":
         return tuple(f for f in GENERATION_FIELDS if f.name != "stream") + JOB_FIELDS
+    if kind == "profile":
+        return PROFILE_FIELDS
+    if kind == "sleep":
+        return SLEEP_FIELDS
     base = EDIT_FIELDS + GENERATION_FIELDS
     if kind == "variation":
         return tuple(f for f in base if f.name not in NOT_FOR_VARIATIONS)
     return base
 
 
-def openapi_document(limits: ServeLimits, model_name: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the API under ``limits``."""
-    error = {
+# -- response bodies and headers -------------------------------------------------------------
+
+# A request that failed on the workers answers with the engine's error type as its code
+# (omni_trio.serve.app: ImagesApp._terminal_error): an open set -- whatever a model raises --
+# so the Error schema takes any such type name besides ERROR_CODES.  These are the ones the
+# runtime names itself, and an example of a model's.
+ENGINE_ERROR_CODES: dict[str, tuple[int, str]] = {
+    "WorkerFailedError": (503, "its worker group failed under it, past the server's own retries"),
+    "StallError": (503, "its workers stalled or lost its output, past the server's own retries"),
+    "MissingOutputError": (500, "its workers ended it without an output"),
+    "RuntimeError": (500, "the model raised it; any other exception's type name is a 500 alike"),
+}
+# An engine error code: a Python exception's type name (ERROR_CODES are all lower case).
+ENGINE_ERROR_CODE = "^[A-Z][A-Za-z0-9_]*$"
+JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
+_STR: dict[str, Any] = {"type": "string"}
+_INT: dict[str, Any] = {"type": "integer"}
+_SSE: dict[str, Any] = {"type": "string", "description": "server-sent events (see the events)"}
+_BINARY: dict[str, Any] = {"type": "string", "format": "binary"}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _record(
+    required: Mapping[str, Any], optional: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A JSON object with exactly these properties (``required`` always there)."""
+    return {
         "type": "object",
-        "properties": {
-            "error": {
-                "type": "object",
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "null"], "enum": [*sorted(ERROR_CODES), None]},
+        "additionalProperties": False,
+        "required": list(required),
+        "properties": {**required, **(optional or {})},
+    }
+
+
+def response_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON bodies the API answers with, as JSON Schema (``components/schemas``)."""
+    code = {
+        "anyOf": [
+            {"enum": [*sorted(ERROR_CODES), None]},
+            {"type": "string", "pattern": ENGINE_ERROR_CODE},
+        ],
+        "description": "one of the error codes, or for a request that failed on the workers "
+        f"the engine's error type ({', '.join(ENGINE_ERROR_CODES)}, ...): an open set",
+    }
+    number = {"type": "number"}
+    metrics = _record({"queue_wait_ms": number, "execution_ms": number, "total_ms": number})
+    return {
+        "ErrorDetail": _record(
+            {"message": _STR, "type": _STR, "param": {"type": ["string", "null"]}, "code": code}
+        ),
+        "Error": _record({"error": _ref("ErrorDetail")}),
+        "Image": {
+            **_record(
+                {},
+                {"b64_json": _STR, "url": _STR, "revised_prompt": {"type": ["string", "null"]}},
+            ),
+            "anyOf": [{"required": ["b64_json"]}, {"required": ["url"]}],
+        },
+        "ImagesResponse": _record(
+            {
+                "created": _INT,
+                "data": {"type": "array", "items": _ref("Image")},
+                "id": _STR,
+                "model": _STR,
+                "seed": {"type": ["integer", "null"]},
+                "output_format": {"enum": ["png", "jpeg", "webp"]},
+                "size": _STR,
+                "metrics": metrics,
+            }
+        ),
+        "Progress": _record({"step": _INT, "total": _INT}),
+        "RequestStatus": _record(
+            {
+                "id": _STR,
+                "object": {"enum": ["request"]},
+                "status": {"enum": ["queued", "running", "finished"]},
+                "progress": _or_null(_ref("Progress")),
+            }
+        ),
+        "RequestCancelled": _record(
+            {"id": _STR, "object": {"enum": ["request"]}, "status": {"enum": ["cancelled"]}}
+        ),
+        "Job": _record(
+            {
+                "id": _STR,
+                "object": {"enum": ["job"]},
+                "status": {"enum": list(JOB_STATUSES)},
+                "created_at": _INT,
+                "started_at": {"type": ["integer", "null"]},
+                "finished_at": {"type": ["integer", "null"]},
+                "queue_position": {"type": ["integer", "null"]},
+                "progress": _or_null(_ref("Progress")),
+                "result": _or_null(_ref("ImagesResponse")),
+                "error": _or_null(_ref("ErrorDetail")),
+                "http_status": {"type": ["integer", "null"]},
+                "webhook_url": {"type": ["string", "null"]},
+            }
+        ),
+        "JobCancelled": _record(
+            {
+                "id": _STR,
+                "object": {"enum": ["job"]},
+                "cancelled": {"type": "boolean"},
+                "status": {"enum": list(JOB_STATUSES)},
+            }
+        ),
+        "ModelList": _record(
+            {
+                "object": {"enum": ["list"]},
+                "data": {
+                    "type": "array",
+                    "items": _record(
+                        {
+                            "id": _STR,
+                            "object": {"enum": ["model"]},
+                            "created": _INT,
+                            "owned_by": _STR,
+                        },
+                        {"parent": _STR},  # a LoRA adapter: the model it applies to
+                    ),
                 },
             }
-        },
+        ),
+        "Health": _record({"status": {"enum": ["ok"]}}),
+        "ProfileStarted": _record(
+            {
+                "directory": _STR,
+                "replicas": {"type": "array", "items": _INT},
+                "skipped": {"type": "array", "items": _INT},
+            }
+        ),
+        "ProfileTraces": _record({"traces": {"type": "array", "items": _STR}}),
+        "SleepAnswer": _record(
+            {
+                "sleeping": {"type": "boolean"},
+                "level": {"enum": [0, 1, 2]},
+                "replicas": {
+                    "type": "array",
+                    "items": _record(
+                        {"index": _INT, "ranks": {"type": "array", "items": {"type": "object"}}}
+                    ),
+                },
+            }
+        ),
+        "SleepState": _record(
+            {
+                "sleeping": {"type": "boolean"},
+                "level": {"enum": [0, 1, 2]},
+                "replicas": {
+                    "type": "array",
+                    "items": _record(
+                        {
+                            "index": _INT,
+                            "state": {"enum": ["awake", "falling_asleep", "asleep", "waking"]},
+                            "level": {"enum": [0, 1, 2]},
+                        }
+                    ),
+                },
+            }
+        ),
+        "Ready": _record(
+            {"status": {"enum": ["ready"]}},
+            {"replicas": {"type": "array", "items": {"type": "object"}}},
+        ),
     }
+
+
+# (method, path) -> status -> media type -> its schema (a components/schemas name, or one).
+ANSWER_BODIES: dict[tuple[str, str], dict[int, dict[str, str | dict[str, Any]]]] = {
+    ("POST", "/v1/images/generations"): {
+        200: {"application/json": "ImagesResponse", "text/event-stream": _SSE}
+    },
+    ("POST", "/v1/images/edits"): {
+        200: {"application/json": "ImagesResponse", "text/event-stream": _SSE}
+    },
+    ("POST", "/v1/images/variations"): {200: {"application/json": "ImagesResponse"}},
+    ("GET", "/v1/requests/{id}"): {200: {"application/json": "RequestStatus"}},
+    ("DELETE", "/v1/requests/{id}"): {200: {"application/json": "RequestCancelled"}},
+    ("POST", "/v1/jobs"): {202: {"application/json": "Job"}, 200: {"application/json": "Job"}},
+    ("GET", "/v1/jobs/{id}"): {200: {"application/json": "Job"}},
+    ("GET", "/v1/jobs/{id}/events"): {200: {"text/event-stream": _SSE}},
+    ("DELETE", "/v1/jobs/{id}"): {200: {"application/json": "JobCancelled"}},
+    ("GET", "/v1/files/{id}/content"): {
+        200: {"image/png": _BINARY, "image/jpeg": _BINARY, "image/webp": _BINARY}
+    },
+    ("GET", "/v1/models"): {200: {"application/json": "ModelList"}},
+    ("GET", "/openapi.json"): {200: {"application/json": {"type": "object"}}},
+    ("GET", "/health"): {200: {"application/json": "Health"}},
+    ("GET", "/ready"): {200: {"application/json": "Ready"}},
+    ("GET", "/metrics"): {200: {"text/plain": _STR}},
+    ("POST", "/v1/admin/start_profile"): {200: {"application/json": "ProfileStarted"}},
+    ("POST", "/v1/admin/stop_profile"): {200: {"application/json": "ProfileTraces"}},
+    ("POST", "/v1/admin/sleep"): {200: {"application/json": "SleepAnswer"}},
+    ("GET", "/v1/admin/sleep"): {200: {"application/json": "SleepState"}},
+    ("POST", "/v1/admin/wake_up"): {200: {"application/json": "SleepAnswer"}},
+}
+
+_REQUEST_ID_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
+HEADERS: dict[str, dict[str, Any]] = {
+    "X-Request-Id": {
+        "description": "the request's id: the client's, or one the server made (every answer)",
+        "schema": _REQUEST_ID_SCHEMA,
+    },
+    "Retry-After": {
+        "description": "seconds to wait before sending it again (429, 503), computed from "
+        "what the server measured",
+        "schema": {"type": "integer", "minimum": 1, "maximum": 60},
+    },
+    "x-should-retry": {
+        "description": "false: the request ran (or will fail the same way again); do not "
+        "resend it unasked (the official OpenAI clients honour it)",
+        "schema": {"enum": ["false"]},
+    },
+}
+PARAMETERS: dict[str, dict[str, Any]] = {
+    "X-Request-Id": {
+        "name": "X-Request-Id",
+        "in": "header",
+        "required": False,
+        "description": "the id of the generation (or job) it makes, scoped to the key; "
+        "default: a generated one",
+        "schema": _REQUEST_ID_SCHEMA,
+    },
+    "Idempotency-Key": {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "a resubmission with the same key and body attaches to the first "
+        "request; another body is a 422",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    },
+    "Last-Event-ID": {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "description": "resume after this event",
+        "schema": {"type": "string", "pattern": "^[0-9]{1,20}$"},
+    },
+}
+
+
+def _header_refs(*names: str) -> dict[str, Any]:
+    return {name: {"$ref": f"#/components/headers/{name}"} for name in names}
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "headers": _header_refs("X-Request-Id", "Retry-After", "x-should-retry"),
+        "content": {"application/json": {"schema": _ref("Error")}},
+    }
+
+
+ERROR_RESPONSES: dict[str, dict[str, Any]] = {
+    "ClientError": _error_response("an error: the OpenAI envelope (429: with Retry-After)"),
+    "ServerError": _error_response("an error: the OpenAI envelope (503: with Retry-After)"),
+}
+
+
+def _responses(endpoint: Endpoint) -> dict[str, Any]:
+    """Every answer of ``endpoint``: its own (with a body schema where ANSWER_BODIES has
+    one), then the error envelope on every 4xx and 5xx status."""
+    bodies = ANSWER_BODIES.get((endpoint.method, endpoint.path), {})
+    out: dict[str, Any] = {}
+    for status, text in endpoint.answers.items():
+        if status >= 400:
+            out[str(status)] = _error_response(text)
+            continue
+        response: dict[str, Any] = {"description": text, "headers": _header_refs("X-Request-Id")}
+        content = bodies.get(status)
+        if content:
+            response["content"] = {
+                media: {"schema": _ref(schema) if isinstance(schema, str) else schema}
+                for media, schema in content.items()
+            }
+        out[str(status)] = response
+    out["4XX"] = {"$ref": "#/components/responses/ClientError"}
+    out["5XX"] = {"$ref": "#/components/responses/ServerError"}
+    return out
+
+
+def _parameters(endpoint: Endpoint) -> list[dict[str, Any]]:
+    params: list[dict[str, Any]] = []
+    if "{id}" in endpoint.path:
+        params.append({"name": "id", "in": "path", "required": True, "schema": {"type": "string"}})
+    names = ["X-Request-Id"]
+    if endpoint.request in ("generation", "edit", "variation", "job"):
+        names.append("Idempotency-Key")
+    if endpoint.path.endswith("/events"):
+        names.append("Last-Event-ID")
+    params += [{"$ref": f"#/components/parameters/{name}"} for name in names]
+    return params
+
+
+def openapi_document(limits: ServeLimits, model_name: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the API under ``limits``."""
     paths: dict[str, dict[str, Any]] = {}
     for endpoint in ENDPOINTS:
         operation: dict[str, Any] = {
             "summary": endpoint.summary,
-            "responses": {
-                str(status): {"description": text} for status, text in endpoint.answers.items()
-            },
+            "parameters": _parameters(endpoint),
+            "responses": _responses(endpoint),
         }
-        operation["responses"]["default"] = {
-            "description": "an error: the OpenAI envelope",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-        if "{id}" in endpoint.path:
-            operation["parameters"] = [
-                {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-            ]
         if endpoint.request is not None:
             media = (
                 "application/json"
-                if endpoint.request in ("generation", "job")
+                if endpoint.request in ("generation", "job", "profile", "sleep")
                 else ("multipart/form-data")
             )
             name = endpoint.request.capitalize() + "Request"
@@ -572,17 +965,24 @@ def openapi_document(limits: ServeLimits, model_name: str) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": {
-                "Error": error,
+                **response_schemas(),
                 **{
                     kind.capitalize() + "Request": _object(request_fields(kind), limits)
-                    for kind in ("generation", "edit", "variation", "job")
+                    for kind in ("generation", "edit", "variation", "job", "profile", "sleep")
                 },
             },
+            "responses": ERROR_RESPONSES,
+            "headers": HEADERS,
+            "parameters": PARAMETERS,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
         "x-omni-trio-error-codes": {
             code: {"status": status, "when": when} for code, (status, when) in ERROR_CODES.items()
+        },
+        "x-omni-trio-engine-error-codes": {
+            code: {"status": status, "when": when}
+            for code, (status, when) in ENGINE_ERROR_CODES.items()
         },
     }
 
@@ -608,6 +1008,10 @@ def _range(spec: FieldSpec, limits: ServeLimits) -> str:
     return "; ".join(parts) or "-"
 
 
+def _type_cell(spec: FieldSpec) -> str:
+    return "string or array" if spec.type == "lora" else spec.type
+
+
 def _field_table(fields: Sequence[FieldSpec], limits: ServeLimits) -> list[str]:
     lines = ["| field | type | range | default | meaning |", "|---|---|---|---|---|"]
     for spec in fields:
@@ -616,7 +1020,7 @@ def _field_table(fields: Sequence[FieldSpec], limits: ServeLimits) -> list[str]:
             name += " ext."
         default = "-" if spec.default is None else f"`{json.dumps(spec.default)}`"
         lines.append(
-            f"| {name} | {spec.type} | {_cell(_range(spec, limits))} | {default} "
+            f"| {name} | {_type_cell(spec)} | {_cell(_range(spec, limits))} | {default} "
             f"| {_cell(spec.description)} |"
         )
     return lines
@@ -660,6 +1064,12 @@ def api_markdown(limits: ServeLimits) -> str:
     out += ["", "### POST /v1/jobs (JSON)", ""]
     out += ["The generation fields but `stream`, plus:", ""]
     out += _field_table(JOB_FIELDS, limits)
+    out += ["", "### POST /v1/admin/start_profile (JSON)", ""]
+    out += ["A JSON object, `{}` for the default directory:", ""]
+    out += _field_table(PROFILE_FIELDS, limits)
+    out += ["", "### POST /v1/admin/sleep (JSON)", ""]
+    out += ["A JSON object, or an empty body for level 1:", ""]
+    out += _field_table(SLEEP_FIELDS, limits)
     out += ["", "## Headers", ""]
     out += [
         "- `X-Request-Id` (request and response): 1..128 of `[A-Za-z0-9._:-]`; a generation's",
@@ -667,8 +1077,10 @@ def api_markdown(limits: ServeLimits) -> str:
         "- `Idempotency-Key` (generations, edits, jobs): a resubmission with the same key and",
         "  body attaches to the first; another body is a 422.",
         "- `Last-Event-ID` (job events): resume after that event.",
-        "- `Retry-After` (429, 503), `x-should-retry: false` (failures that will recur),",
-        "  `X-Omni-Trio-Ignored-Fields` (fields accepted and ignored), `Location` (jobs).",
+        "- `Retry-After` (429, 503: 1..60 seconds, from what the server measured),",
+        "  `x-should-retry: false` (the request ran, or its failure will recur: do not resend",
+        "  it unasked), `X-Omni-Trio-Ignored-Fields` (fields accepted and ignored),",
+        "  `Location` (jobs).",
         "",
         "## Events",
         "",
@@ -684,9 +1096,66 @@ def api_markdown(limits: ServeLimits) -> str:
         "",
         "A request that failed on the workers carries the engine's error type as its code",
         "instead (`WorkerFailedError` and the like: 503 after the server's own retries;",
-        "another error type: 500), with `x-should-retry: false`.",
+        "another error type: 500), with `x-should-retry: false`.  The set is open (any",
+        "exception a model raises), so the `Error` schema's `code` is one of the codes above",
+        f"or a type name (`{ENGINE_ERROR_CODE}`); those the runtime names itself:",
+        "",
+        "| code | status | when |",
+        "|---|---|---|",
     ]
+    out += [
+        f"| `{code}` | {status} | {_cell(when)} |"
+        for code, (status, when) in ENGINE_ERROR_CODES.items()
+    ]
+    out += _response_tables()
     return "\n".join(out) + "\n"
+
+
+def _schema_text(schema: Mapping[str, Any]) -> str:
+    """A short type for a schema in the page: a component's name, ``a | b``, ``[items]``."""
+    if "$ref" in schema:
+        return str(schema["$ref"]).rsplit("/", 1)[1]
+    if "anyOf" in schema:
+        return " or ".join(_schema_text(part) for part in schema["anyOf"])
+    if schema.get("pattern") == ENGINE_ERROR_CODE:
+        return "an engine error type"
+    if "enum" in schema:
+        values = schema["enum"]
+        if len(values) > 6:
+            return "an error code (or null)"
+        return " or ".join(json.dumps(value) for value in values)
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"[{_schema_text(schema.get('items', {}))}]"
+    return " or ".join(kind) if isinstance(kind, list) else str(kind)
+
+
+def _response_tables() -> list[str]:
+    out = ["", "## Responses", ""]
+    out += [
+        "Every error status (4xx, 5xx) answers the `Error` envelope.  The other bodies, by",
+        "endpoint and status (the schemas are in `/openapi.json`'s `components/schemas`):",
+        "",
+        "| method | path | status | body |",
+        "|---|---|---|---|",
+    ]
+    for (method, path), answers in ANSWER_BODIES.items():
+        for status, media in answers.items():
+            body = "; ".join(
+                f"{kind}: " + (f"`{schema}`" if isinstance(schema, str) else "-")
+                for kind, schema in media.items()
+            )
+            out.append(f"| {method} | `{path}` | {status} | {_cell(body)} |")
+    out += ["", "| schema | fields |", "|---|---|"]
+    for name, schema in response_schemas().items():
+        required = set(schema.get("required", ()))
+        fields = ", ".join(
+            f"`{field}`{'' if field in required else '?'}: {_schema_text(sub)}"
+            for field, sub in schema.get("properties", {}).items()
+        )
+        out.append(f"| `{name}` | {_cell(fields)} |")
+    out += ["", "`?`: not always there.  `Image` has `b64_json` or `url`."]
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover - the page's generator

@@ -12,6 +12,11 @@ Routes::
     GET    /v1/jobs/{id}/events      its events (SSE), resumable with Last-Event-ID
     DELETE /v1/jobs/{id}             cancel it (idempotent): {"cancelled": true|false}
     GET    /v1/models                the served model
+    POST   /v1/admin/start_profile   torch.profiler on every worker (profiling.py)
+    POST   /v1/admin/stop_profile    stop it: {"traces": [paths]}, one Chrome trace per worker
+    POST   /v1/admin/sleep           release the weights ({"level": 1|2}; sleeping.py)
+    GET    /v1/admin/sleep           {"sleeping", "level", "replicas"}
+    POST   /v1/admin/wake_up         take them back; queued generations run
     GET    /openapi.json             this API as an OpenAPI 3.1 document (api_spec.py)
     GET    /health                   200 while the event loop answers (liveness)
     GET    /ready                    200 when every replica is open and healthy, else 503
@@ -82,6 +87,7 @@ from ..errors import (
     RETRYABLE_ERROR_TYPES,
     TIMEOUT_ERROR_TYPE,
     DuplicateRequestError,
+    EngineAsleepError,
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
@@ -125,6 +131,8 @@ from .pool import (
     clamp_retry_after,
 )
 from .pool import new_request_id as _new_request_id
+from .profiling import PROFILE_PATHS, ProfileAdmin
+from .sleeping import SLEEP_PATH, SLEEP_PATHS, SleepAdmin
 from .webhooks import PROGRESS_INTERVAL_S, WebhookSender, check_webhook_url
 
 __all__ = [
@@ -150,7 +158,6 @@ AccessLog = Callable[[dict[str, Any]], None]
 _log = logging.getLogger(__name__)
 _access_log = logging.getLogger("omni_trio.serve.access")
 
-RETRY_AFTER_S = 2
 # DELETE /v1/jobs/{id} waits this long for the aborted job to end before answering.
 JOB_CANCEL_WAIT_S = 5.0
 # A job's event stream sends a comment after this long without an event.
@@ -482,6 +489,10 @@ class ImagesApp:
         self.webhook_hosts = tuple(webhook_hosts)
         # The nursery of the jobs' tasks, while serve() runs (None: jobs are refused).
         self._background: trio.Nursery | None = None
+        # POST /v1/admin/start_profile and stop_profile (.profiling).
+        self.profiles = ProfileAdmin(pool)
+        # /v1/admin/sleep and /v1/admin/wake_up (.sleeping).
+        self.sleeping = SleepAdmin(pool)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the app's background work -- the jobs of ``POST /v1/jobs`` and their
@@ -715,6 +726,25 @@ class ImagesApp:
             ex.route = path
             self._allow(ex, "GET")
             await self._models(ex, send)
+        elif path in SLEEP_PATHS:
+            ex.route = path
+            if path == SLEEP_PATH:
+                self._allow(ex, "GET", "POST")
+            else:
+                self._allow(ex, "POST")
+            if ex.method == "GET":
+                answer = self.sleeping.state()
+            else:
+                body = await self._read_body(ex, receive)
+                handle = self.sleeping.sleep if path == SLEEP_PATH else self.sleeping.wake_up
+                answer = await handle(ex.header("content-type"), body)
+            await self._send_json(ex, send, 200, answer)
+        elif path in PROFILE_PATHS:
+            ex.route = path
+            self._allow(ex, "POST")
+            body = await self._read_body(ex, receive)
+            answer = await self.profiles.answer(path, ex.header("content-type"), body)
+            await self._send_json(ex, send, 200, answer)
         elif path == "/openapi.json":
             ex.route = path
             self._allow(ex, "GET")
@@ -816,7 +846,18 @@ class ImagesApp:
             "created": self._created,
             "owned_by": "omni-trio",
         }
-        await self._send_json(ex, send, 200, {"object": "list", "data": [model]})
+        # The LoRA adapters requests may name (--lora), as models of the served one.
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "omni-trio",
+                "parent": self.model_name,
+            }
+            for name in sorted(self.pool.engine_config.loras)
+        ]
+        await self._send_json(ex, send, 200, {"object": "list", "data": [model, *adapters]})
 
     async def _ready(self, ex: _Exchange, send: Send) -> None:
         """Readiness.  The details (each replica's state, pids, counts, the last failure's
@@ -827,7 +868,15 @@ class ImagesApp:
         if not ready:
             if not detailed:  # "replica 0: restarting (last failure: ...)" -> "restarting"
                 words = [w.strip(":(") for w in (reason or "").split()]
-                known = ("starting", "restarting", "draining", "failed", "dead", "closed")
+                known = (
+                    "starting",
+                    "restarting",
+                    "sleeping",
+                    "draining",
+                    "failed",
+                    "dead",
+                    "closed",
+                )
                 reason = next((w for w in words if w in known), "unavailable")
             raise _unavailable(
                 f"not ready: {reason}", "not_ready", self.pool.unavailable_retry_after_s()
@@ -867,6 +916,7 @@ class ImagesApp:
                 f"Request {request_id!r} already finished",
                 param="id",
                 code="request_finished",
+                headers=_NO_RETRY,
             )
         await self._send_json(
             ex, send, 200, {"id": request_id, "object": "request", "status": "cancelled"}
@@ -925,7 +975,10 @@ class ImagesApp:
                 code="invalid_value",
             )
         parsed = parse_generation_request(
-            decoded, limits=self.limits, default_model=self.model_name
+            decoded,
+            limits=self.limits,
+            default_model=self.model_name,
+            adapters=self.pool.engine_config.loras,
         )
         if parsed.ignored_fields:
             ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))
@@ -972,8 +1025,11 @@ class ImagesApp:
                 return
         nursery = self._background
         if nursery is None:
+            # Its jobs run only while serve() does: it is starting or going away.
             raise _unavailable(
-                "this server runs no jobs right now", "jobs_unavailable", RETRY_AFTER_S
+                "this server runs no jobs right now",
+                "jobs_unavailable",
+                self.pool.unavailable_retry_after_s(),
             )
         if self.jobs.get(ex.owner, ex.request_id) is not None:
             raise ApiError(
@@ -993,6 +1049,7 @@ class ImagesApp:
             reservation.release()
             raise
         ex.submitted = True
+        self.metrics.observe_admission(ex.route, time.perf_counter() - ex.start)
         job = self.jobs.create(
             ex.owner, ex.request_id, webhook_url=webhook_url, key=key, digest=digest
         )
@@ -1266,7 +1323,10 @@ class ImagesApp:
                 code="invalid_json",
             )
         parsed = parse_generation_request(
-            decoded, limits=self.limits, default_model=self.model_name
+            decoded,
+            limits=self.limits,
+            default_model=self.model_name,
+            adapters=self.pool.engine_config.loras,
         )
         if parsed.ignored_fields:
             ex.response_headers.append((IGNORED_FIELDS_HEADER, ",".join(parsed.ignored_fields)))
@@ -1284,6 +1344,8 @@ class ImagesApp:
                 f"a request with id {ex.request_id!r} is already in flight",
                 param="X-Request-Id",
                 code="duplicate_request_id",
+                # The SDKs retry every 409: a resend after the first ended would run it twice.
+                headers=_NO_RETRY,
             )
         except InvalidRequestError as exc:
             param = _ENGINE_PARAMS.get(exc.param or "", exc.param)
@@ -1315,6 +1377,8 @@ class ImagesApp:
             raise _unavailable(
                 f"not ready: {exc}", "not_ready", self.pool.unavailable_retry_after_s()
             )
+        except EngineAsleepError as exc:
+            raise _unavailable(str(exc), "engine_asleep", self.pool.unavailable_retry_after_s())
         except EngineDeadError:
             raise _unavailable(
                 "the engine is dead; the server is restarting",
@@ -1363,7 +1427,13 @@ class ImagesApp:
                 parts = parse_form(data, boundary, max_file_bytes=limits.max_upload_bytes)
             except MultipartError as exc:
                 raise ApiError(400, exc.message, param=exc.param, code=exc.code) from None
-            parsed = parse_edit_form(parts, limits=limits, default_model=model, variation=variation)
+            parsed = parse_edit_form(
+                parts,
+                limits=limits,
+                default_model=model,
+                variation=variation,
+                adapters=self.pool.engine_config.loras,
+            )
             return parsed, form_digest(parts)
 
         # Decoding holds a picture's pixels beside its body: a few at a time, not one per
@@ -1470,6 +1540,22 @@ class ImagesApp:
                 param="partial_images",
                 code="partial_images_unsupported",
             )
+        if parsed.stream and parsed.partial_images:
+            # A preview every preview_interval steps before the last (the engine's
+            # _expected_chunks): asking for more would silently send fewer.
+            steps = parsed.params.total_steps
+            interval = self.pool.engine_config.preview_interval
+            previews = max(steps - 1, 0) // interval
+            if parsed.partial_images > previews:
+                every = "each step" if interval == 1 else f"every {interval} steps"
+                raise ApiError(
+                    400,
+                    f"partial_images={parsed.partial_images} is more than a request of {steps} "
+                    f"steps can stream: it makes a preview {every} before the last, so "
+                    f"partial_images can be at most {previews} for {steps} steps",
+                    param="partial_images",
+                    code="invalid_value",
+                )
         estimate = self._response_estimate(parsed)
         if not self.responses.fits(estimate):
             raise self._memory_full()
@@ -1477,6 +1563,7 @@ class ImagesApp:
         with self.responses.reserve(estimate) as reservation:
             submission = self._submit(ex, parsed)
             ex.submitted = True
+            self.metrics.observe_admission(ex.route, time.perf_counter() - ex.start)
             # Whatever happens from here on, leaving this block ends the request and frees its
             # slot in the pool (re-entering the stream below is harmless).
             async with submission.stream:
@@ -1615,6 +1702,14 @@ class ImagesApp:
                 type="server_error",
                 code=error_type,
                 headers=[*_retry_after(self.pool.ready_retry_after_s()), *_NO_RETRY],
+            )
+        if error_type == "InvalidLoraError":  # a worker could not apply the adapter
+            return ApiError(
+                400,
+                f"request {rid}: {output.error}",
+                param="lora",
+                code="invalid_lora",
+                headers=_NO_RETRY,
             )
         if error_type == "InvalidRequestError":  # found after admission (its payload)
             return ApiError(
@@ -1926,9 +2021,12 @@ class ImagesApp:
         gone, or the headers may have gone out already)."""
         message = f"The server had an error while processing request {ex.request_id}"
         body = error_body(message, type="server_error", code="internal_error")
+        # Once admitted, the work was done (or under way): an SDK's automatic retry would
+        # compute it again, and a failure after it (the url store, encoding) would recur.
+        extra = _NO_RETRY if ex.submitted else ()
         try:
             if not ex.started:
-                await self._send_json(ex, send, 500, body)
+                await self._send_json(ex, send, 500, body, extra=extra)
             else:
                 if ex.sse:
                     payload = f"event: error\ndata: {json.dumps({'type': 'error', **body})}\n\n"

@@ -566,6 +566,17 @@ def _key_value(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def lora_arg(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora`` (a LoRA adapter requests may name)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH (a diffusers LoRA directory or builtin:shapes-outline), "
+            f"got {text!r}"
+        )
+    return name.strip(), path.strip()
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag(
         "--model",
@@ -585,6 +596,21 @@ FLAGS: tuple[Flag, ...] = (
         "a model option KEY=VALUE (repeatable; e.g. step_delay_s=0.05 for builtin:echo)",
         type=_key_value,
         metavar="KEY=VALUE",
+    ),
+    Flag(
+        "--lora",
+        ("engine", "loras"),
+        "a LoRA adapter requests may name: NAME=PATH, PATH a diffusers LoRA directory or "
+        "builtin:shapes-outline (repeatable; listed by /v1/models)",
+        type=lora_arg,
+        metavar="NAME=PATH",
+    ),
+    Flag(
+        "--max-loras",
+        ("engine", "max_loras"),
+        "LoRA adapters each worker keeps loaded (least recently used unloaded)",
+        type=int,
+        metavar="N",
     ),
     Flag(
         "--backend",
@@ -828,7 +854,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": flag.help}
         if flag.boolean:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif flag.path == ("engine", "model_options"):
+        elif flag.path in (("engine", "model_options"), ("engine", "loras")):
             kwargs.update(action="append", type=flag.type, metavar=flag.metavar)
         else:
             if flag.type is not None:
@@ -846,7 +872,7 @@ def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag.dest, None)
         if value is None:
             continue
-        if flag.path == ("engine", "model_options"):
+        if flag.path in (("engine", "model_options"), ("engine", "loras")):
             value = dict(value)
         target = data
         for part in flag.path[:-1]:

@@ -616,6 +616,8 @@ class _Daemon:
                 self._http_limits(),
                 shutdown_trigger=self.stop_http.wait,
                 metrics=app.metrics,
+                # A connection frees as a request ends: one service time at the measured rate.
+                retry_after=partial(app.pool.retry_after_s, excess=1),
                 task_status=task_status,
             )
         finally:
@@ -708,8 +710,10 @@ class _Daemon:
         )
         if not self.pool_ready.is_set():
             return
-        with trio.move_on_after(self.config.drain_timeout_s):
-            await _first_of(pool.wait_idle, self.hurry.wait)
+        if not pool.sleep_level:
+            with trio.move_on_after(self.config.drain_timeout_s):
+                await _first_of(pool.wait_idle, self.hurry.wait)
+        # (Asleep, what waits in the queue would run only after a wake: it is aborted now.)
         left = pool.in_flight
         if left:
             log.warning(

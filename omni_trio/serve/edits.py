@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,11 @@ def _typed(name: str, text: str) -> Any:
         if not math.isfinite(value):
             raise _bad(name, f"{name} must be a finite number", "invalid_value")
         return value
+    if name == "lora" and text.lstrip().startswith(("[", "{")):
+        try:  # a list or an object, as the generations body would carry it
+            return json.loads(text)
+        except ValueError:
+            raise _bad(name, "lora is not valid JSON", "invalid_json") from None
     return text
 
 
@@ -126,7 +132,12 @@ def _files(parts: Sequence[Part], variation: bool) -> tuple[Part, Part | None]:
 
 
 def parse_edit_form(
-    parts: Sequence[Part], *, limits: ServeLimits, default_model: str, variation: bool = False
+    parts: Sequence[Part],
+    *,
+    limits: ServeLimits,
+    default_model: str,
+    variation: bool = False,
+    adapters: Collection[str] = (),
 ) -> ParsedRequest:
     """A multipart edit (or, with ``variation``, variation) request as the generation it runs
     (see the module docstring).  Blocking and CPU-bound (it decodes the pictures): run it in
@@ -149,7 +160,9 @@ def parse_edit_form(
     image_part, mask_part = _files(files, variation)
     if variation:
         body["prompt"] = "-"  # parse_generation_request needs one; a variation has none
-    parsed = parse_generation_request(body, limits=limits, default_model=default_model)
+    parsed = parse_generation_request(
+        body, limits=limits, default_model=default_model, adapters=adapters
+    )
     image = _upload(image_part, "image", limits)
     picture = as_rgb(image)
     mask = None

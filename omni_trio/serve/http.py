@@ -13,7 +13,8 @@ without limit), or what happens to connections still open when it stops (it wait
 :func:`serve_http` adds, per :class:`HttpLimits`::
 
     max_connections     beyond it a new connection is answered 503 (the OpenAI envelope,
-                        Connection: close) and closed; the open ones are not disturbed
+                        Connection: close, Retry-After from the server's ``retry_after``)
+                        and closed; the open ones are not disturbed
     send_timeout_s      the write deadline, owned here for both protocols: each socket write
                         of at most SEND_CHUNK bytes must be taken by the kernel within it and,
                         over HTTP/2, each DATA chunk the app hands over must also leave within
@@ -115,6 +116,7 @@ REFUSE_READ_MAX = 64 * 1024
 MAX_REFUSING = 64  # refusals answered at once; past it a new connection is just closed
 ACCEPT_RETRY_S = 0.1
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# Retry-After of a refused connection when the server is given no measure of its own.
 RETRY_AFTER_S = 2
 
 _PROTOCOL_ERRORS: dict[int, tuple[str, str]] = {
@@ -479,7 +481,7 @@ class _ConnectionApp:
         await self._app(scope, receive, send, sync_spawn, call_soon)
 
 
-def _refusal(max_connections: int) -> bytes:
+def _refusal(max_connections: int, retry_after_s: int) -> bytes:
     body = error_body(
         f"the server has too many open connections (max_connections={max_connections}); "
         "retry later",
@@ -491,7 +493,7 @@ def _refusal(max_connections: int) -> bytes:
         "HTTP/1.1 503 Service Unavailable\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(payload)}\r\n"
-        f"retry-after: {RETRY_AFTER_S}\r\n"
+        f"retry-after: {retry_after_s}\r\n"
         "cache-control: no-store\r\n"
         "connection: close\r\n"
         f"x-request-id: {new_request_id()}\r\n\r\n"
@@ -534,11 +536,15 @@ class HttpServer:
         limits: HttpLimits,
         *,
         metrics: ServeMetrics | None = None,
+        retry_after: Callable[[], int] | None = None,
     ) -> None:
         self._app = ASGIWrapper(app)
         self._hc = hc
         self.limits = limits
         self._metrics = metrics
+        # Retry-After (s) of a refused connection, asked at each refusal (the daemon's: one
+        # request's service time at the pool's measured rate); RETRY_AFTER_S without it.
+        self._retry_after = retry_after
         self._context = WorkerContext(None)
         self._open: set[GuardedStream] = set()
         self._none_open = trio.Event()
@@ -699,9 +705,10 @@ class HttpServer:
         connections.start_soon(self._answer_refused, stream)
 
     async def _answer_refused(self, stream: trio.SocketStream) -> None:
+        retry_after = RETRY_AFTER_S if self._retry_after is None else self._retry_after()
         try:
             with trio.move_on_after(REFUSE_S):
-                await stream.send_all(_refusal(self.limits.max_connections))
+                await stream.send_all(_refusal(self.limits.max_connections, retry_after))
                 await stream.send_eof()
                 read = 0
                 while read < REFUSE_READ_MAX:
@@ -742,9 +749,11 @@ async def serve_http(
     *,
     shutdown_trigger: Callable[[], Awaitable[object]],
     metrics: ServeMetrics | None = None,
+    retry_after: Callable[[], int] | None = None,
     task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI ``app`` on ``hc.bind`` within ``limits`` until ``shutdown_trigger()``
-    returns (see :meth:`HttpServer.serve`); ``started`` gets the bound URLs."""
-    server = HttpServer(app, hc, limits, metrics=metrics)
+    returns (see :meth:`HttpServer.serve`); ``started`` gets the bound URLs.
+    ``retry_after()`` gives the ``Retry-After`` of a connection refused at the cap."""
+    server = HttpServer(app, hc, limits, metrics=metrics, retry_after=retry_after)
     await server.serve(shutdown_trigger=shutdown_trigger, task_status=task_status)

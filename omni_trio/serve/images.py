@@ -52,12 +52,13 @@ import secrets
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.messages import RequestMetrics
-from .._core.request import SamplingParams
+from .._core.request import SamplingParams, canonical_lora
+from ..errors import InvalidRequestError
 from .api_spec import GENERATION_FIELDS, MAX_SEED, ServeLimits, bounds
 
 __all__ = [
@@ -239,14 +240,32 @@ def _size(value: Any, limits: ServeLimits) -> tuple[int | None, int | None]:
     return width, height
 
 
+def _lora(value: Any) -> tuple[tuple[str, float], ...]:
+    """The ``lora`` field as ``((name, scale), ...)``; 400 (param ``lora``) for a malformed
+    one (whether the names are registered is the engine's to say, at admission)."""
+    if value is not None and not isinstance(value, str | list | dict):
+        raise _bad(
+            "lora",
+            f'lora must be a name or a list of names and {{"name", "scale"}} objects, '
+            f"got {_type_name(value)}",
+            "invalid_type",
+        )
+    try:
+        return canonical_lora(value)
+    except InvalidRequestError as exc:
+        raise _bad("lora", str(exc)) from None
+
+
 def parse_generation_request(
-    body: Any, *, limits: ServeLimits, default_model: str
+    body: Any, *, limits: ServeLimits, default_model: str, adapters: Collection[str] = ()
 ) -> ParsedRequest:
     """Validate a decoded ``POST /v1/images/generations`` body (see the module docstring).
 
     ``default_model`` is the served model's name: ``model`` must be absent, null, or equal to
-    it.  Raises :class:`ApiError` (400 naming the field; 404 ``model_not_found`` for another
-    model).  The seed stays None when absent (the engine picks one at admission).
+    it -- or name one of ``adapters`` (the LoRA adapters ``/v1/models`` lists as models of
+    it), which then applies that adapter as ``"lora": name`` would.  Raises
+    :class:`ApiError` (400 naming the field; 404 ``model_not_found`` for another model).
+    The seed stays None when absent (the engine picks one at admission).
     """
     if not isinstance(body, dict):
         raise ApiError(
@@ -269,6 +288,11 @@ def parse_generation_request(
         raise _bad("prompt", "prompt must not be empty")
 
     model = _str(body, "model")
+    implied_lora: str | None = None
+    if model is not None and model != default_model and model in adapters:
+        if body.get("lora") is not None:
+            raise _bad("model", "name the LoRA adapter in model or in lora, not in both")
+        implied_lora, model = model, default_model
     if model is not None and model != default_model:
         raise ApiError(
             404,
@@ -306,6 +330,7 @@ def parse_generation_request(
     seed = _int(body, "seed", *bounds("seed", limits), None)
     # The range is the engine's (min_priority..max_priority), checked at admission.
     priority = _int(body, "priority", *bounds("priority", limits), None)
+    lora = _lora(body.get("lora") if implied_lora is None else implied_lora)
 
     changes: dict[str, Any] = {
         "height": height,
@@ -322,6 +347,8 @@ def parse_generation_request(
         changes["priority"] = priority
     if timeout is not None:
         changes["deadline_s"] = timeout
+    if lora:
+        changes["lora"] = lora
     return ParsedRequest(
         prompt=prompt,
         params=SamplingParams(**changes),
@@ -394,8 +421,9 @@ def image_metadata(
     else left out); ``model``; ``scheduler`` (when known); ``n`` and ``image_index`` (when
     ``image_index`` is given); from a picture, ``steps`` is ``num_inference_steps`` and
     ``strength`` and ``conditioning`` (``image``, ``inpaint``) are added (A1111's
-    ``Denoising strength``: the picture itself is not part of the recipe); and
-    ``parameters``, all of it in the one-text form of
+    ``Denoising strength``: the picture itself is not part of the recipe); with LoRA
+    adapters, ``lora`` (``name:scale, ...``, and A1111's ``<lora:name:scale>`` after the
+    prompt); and ``parameters``, all of it in the one-text form of
     AUTOMATIC1111's web UI (prompt, ``Negative prompt: ...``, then ``Steps: 20, Sampler: ...,
     CFG scale: 7.5, Seed: 5, Size: 64x64, Model: ...``), which other tools read.
 
@@ -428,6 +456,9 @@ def image_metadata(
         meta["strength"] = _decimal(params.effective_strength)
         meta["conditioning"] = params.conditioning
     meta["guidance_scale"] = _decimal(params.guidance_scale)
+    lora = [(str(name), float(scale)) for name, scale in (params.lora or ())]
+    if lora:
+        meta["lora"] = clip(", ".join(f"{name}:{_decimal(scale)}" for name, scale in lora))
     if size is not None:
         meta["size"] = size
     meta["model"] = clip(model)
@@ -450,7 +481,9 @@ def image_metadata(
     settings.append(("Model", meta["model"]))
     if image_index is not None and n > 1:
         settings += [("Batch size", str(n)), ("Batch pos", str(image_index))]
-    lines = [meta["prompt"]]
+    # A1111 names the adapters in the prompt line: <lora:name:scale>.
+    tags = "".join(f" <lora:{name}:{_decimal(scale)}>" for name, scale in lora)
+    lines = [meta["prompt"] + tags]
     if "negative_prompt" in meta:
         lines.append(f"Negative prompt: {meta['negative_prompt']}")
     lines.append(", ".join(f"{name}: {_a1111_quote(value)}" for name, value in settings))

@@ -11,9 +11,13 @@ Counted by the app as requests end::
     omni_trio_queue_wait_seconds                histograms of completed generations' phases
     omni_trio_execution_seconds                 (engine queue wait, engine execution, and the
     omni_trio_end_to_end_seconds                server's total from request to response)
-    omni_trio_step_seconds                      the median denoising step of each (request mode)
+    omni_trio_step_seconds                      the median denoising step of each (request mode;
+                                                step mode: omni_trio_tick_seconds)
     omni_trio_packing_seconds                   its output packing (postprocess, D2H, shm)
     omni_trio_encode_seconds                    the server encoding its images (PNG/JPEG/WebP)
+    omni_trio_admission_seconds{route}          an admitted generation's, edit's or job's
+                                                arrival to its admission by the engine (body
+                                                read, parsing, auth, validation, admit)
 
 Set by the HTTP server and the app as they go::
 
@@ -32,7 +36,12 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_in_flight                         requests in flight through the pool
     omni_trio_replicas_ready                    replicas open and healthy
     omni_trio_draining                          1 while the server drains
-    omni_trio_engine_state{replica}             0 dead/failed, 1 starting/restarting, 2 ready
+    omni_trio_engine_state{replica}             0 dead/failed, 1 starting/restarting/sleeping,
+                                                2 ready
+    omni_trio_sleep_state{replica,state}        1 for the replica's sleep state (awake,
+                                                falling_asleep, asleep, waking), 0 for others
+    omni_trio_sleep_level{replica}              the level it sleeps at (0: awake)
+    omni_trio_sleeps_total{replica}             sleeps completed by the replica's engine
     omni_trio_worker_restarts_total{replica}    worker-group restarts inside the replica
     omni_trio_replica_restarts_total{replica}   replica reopens by the pool supervisor
     omni_trio_requests_requeued_total{replica}  requests run again after a worker-group failure
@@ -45,6 +54,9 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
                                                 in flight to the end of that compute
     omni_trio_wasted_steps_total{replica}       steps computed for requests that then ended
                                                 aborted or failed
+    omni_trio_tick_seconds{replica}             histogram: step mode's ticks (one denoising
+                                                step of every request in it), dispatch to
+                                                result; none in request mode
 
 ``supervisors/grafana-dashboard.json`` charts these; a test checks that each of its queries
 names a metric this module exports.
@@ -66,7 +78,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .._core.health import CANCEL_LATENCY_BUCKETS_S
+from .._core.health import CANCEL_LATENCY_BUCKETS_S, TICK_BUCKETS_S
 from .._core.messages import RequestMetrics
 
 if TYPE_CHECKING:
@@ -75,9 +87,13 @@ if TYPE_CHECKING:
 __all__ = ["CONTENT_TYPE", "ENGINE_STATE_VALUES", "ServeMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-ENGINE_STATE_VALUES = {"ready": 2, "starting": 1, "restarting": 1}  # anything else: 0
+# Anything else (dead, failed, closed): 0.  Sleeping is alive and not ready, like a restart.
+ENGINE_STATE_VALUES = {"ready": 2, "starting": 1, "restarting": 1, "sleeping": 1}
+SLEEP_STATES = ("awake", "falling_asleep", "asleep", "waking")
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Admission is the server's own work (and the upload): finer at the bottom.
+_ADMISSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 10, 30)
 
 
 def _add_batch_sizes(
@@ -104,6 +120,14 @@ def _add_cancel_latency(
         counts = [0] * (len(CANCEL_LATENCY_BUCKETS_S) + 1)
     total = float(stats.get("cancel_latency_sum_s") or 0.0)  # type: ignore[arg-type]
     family.add_metric(label, _cumulative(CANCEL_LATENCY_BUCKETS_S, counts), total)
+
+
+def _add_ticks(family: HistogramMetricFamily, label: list[str], stats: dict[str, object]) -> None:
+    counts = list(stats.get("tick_counts") or ())  # type: ignore[call-overload]
+    if len(counts) != len(TICK_BUCKETS_S) + 1:
+        counts = [0] * (len(TICK_BUCKETS_S) + 1)
+    total = float(stats.get("tick_sum_s") or 0.0)  # type: ignore[arg-type]
+    family.add_metric(label, _cumulative(TICK_BUCKETS_S, counts), total)
 
 
 def _cumulative(bounds: Iterable[float], counts: list[int]) -> list[tuple[str, float]]:
@@ -178,12 +202,38 @@ class _PoolCollector(Collector):
             "Denoising steps computed for requests that then ended aborted or failed",
             labels=["replica"],
         )
+        ticks = HistogramMetricFamily(
+            "omni_trio_tick_seconds",
+            "Step mode: each tick (one denoising step of every request in it), dispatch to result",
+            labels=["replica"],
+        )
+        sleep_state = GaugeMetricFamily(
+            "omni_trio_sleep_state",
+            "1 for each replica's sleep state (awake, falling_asleep, asleep, waking)",
+            labels=["replica", "state"],
+        )
+        sleep_level = GaugeMetricFamily(
+            "omni_trio_sleep_level",
+            "The level each replica's workers sleep at (0: awake)",
+            labels=["replica"],
+        )
+        sleeps = CounterMetricFamily(
+            "omni_trio_sleeps",
+            "Sleeps completed by each replica's engine",
+            labels=["replica"],
+        )
         for replica in info:
             label = [str(replica["index"])]
             stats = replica["statistics"]
             if stats is not None:
+                current = str(stats.get("sleep_state", "awake"))
+                for name in SLEEP_STATES:
+                    sleep_state.add_metric([*label, name], int(name == current))
+                sleep_level.add_metric(label, stats.get("sleep_level", 0))
+                sleeps.add_metric(label, stats.get("sleeps", 0))
                 _add_batch_sizes(batch, label, stats.get("batch_sizes", ()))
                 _add_cancel_latency(cancel, label, stats)
+                _add_ticks(ticks, label, stats)
                 wasted.add_metric(label, stats.get("wasted_steps", 0))
                 waiting += stats["waiting"]
                 running += stats["running"]
@@ -221,8 +271,12 @@ class _PoolCollector(Collector):
         yield batch
         yield cancel
         yield wasted
+        yield ticks
         yield packing
         yield workers
+        yield sleep_state
+        yield sleep_level
+        yield sleeps
 
 
 class ServeMetrics:
@@ -278,6 +332,14 @@ class ServeMetrics:
             "omni_trio_encode_seconds",
             "Time the server spent encoding a generation's images (PNG, JPEG, WebP)",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admission = Histogram(
+            "omni_trio_admission_seconds",
+            "A generation's, edit's or job's arrival to its admission by the engine (body "
+            "read, parsing, auth, validation, admit), by route",
+            ["route"],
+            buckets=_ADMISSION_BUCKETS,
             registry=r,
         )
         self.connections = Gauge("omni_trio_connections", "Open client connections", registry=r)
@@ -344,6 +406,10 @@ class ServeMetrics:
     def observe_encode(self, seconds: float) -> None:
         """A generation's images encoded for its answer."""
         self.encode.observe(seconds)
+
+    def observe_admission(self, route: str, seconds: float) -> None:
+        """A generation, edit or job admitted by the engine ``seconds`` after it arrived."""
+        self.admission.labels(route=route).observe(seconds)
 
     def render(self) -> bytes:
         """The text exposition of every metric (content type :data:`CONTENT_TYPE`)."""

@@ -44,10 +44,11 @@ refused with :class:`~omni_trio.errors.InvalidConfigError`; run several daemons 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -74,6 +75,8 @@ from ..executors.base import resolve_executor_class
 from ..runtime.engine import AsyncEngine, open_engine
 from ..runtime.request_stream import RequestStream
 from ..supervisor import ChildSpec, ChildState, RestartPolicy, Strategy, Supervisor, SupervisorEvent
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RESTART_WAIT_S",
@@ -331,6 +334,25 @@ class _StartedAs:
         self._inner.started(self._value)
 
 
+async def _each(
+    engines: list[tuple[int, AsyncEngine]], call: Callable[[AsyncEngine], Awaitable[Any]]
+) -> tuple[dict[int, Any], list[Exception]]:
+    """``call`` every engine at once: the results by replica index, and the errors."""
+    results: dict[int, Any] = {}
+    errors: list[Exception] = []
+
+    async def one(index: int, engine: AsyncEngine) -> None:
+        try:
+            results[index] = await call(engine)
+        except Exception as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for index, engine in engines:
+            nursery.start_soon(one, index, engine)
+    return results, errors
+
+
 def _refuses_replicas(backend: Any) -> bool:
     """The backend's executor allows one per process (an unresolvable one is the engine's
     to report)."""
@@ -430,6 +452,10 @@ class EnginePool:
         # also in _active (released streams leave both).
         self._restart_waits: dict[str, tuple[float, PooledStream]] = {}
         self._restart_wake = trio.Event()  # set when a wait is added
+        # The level the operator put the pool to sleep at (0: awake); a replica opened
+        # meanwhile (a reopen after its engine died) is put to sleep too.
+        self.sleep_level = 0
+        self._sleep_lock = trio.Lock()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -488,6 +514,8 @@ class EnginePool:
                 self._open_time.record(trio.current_time() - began)
                 replica.engine = engine
                 try:
+                    if self.sleep_level or self._sleep_lock.locked():
+                        await self._sleep_replica(replica.index, engine)
                     task_status.started(engine)
                     await engine.wait_ended()
                     health = engine.health()
@@ -498,6 +526,74 @@ class EnginePool:
             replica.opening_since = None
         replica.last_failure = health.reason
         raise EngineDeadError(f"replica {replica.index}: engine {health.state}: {health.reason}")
+
+    # -- sleep and wake --------------------------------------------------------------------
+
+    def _open_engines(self) -> list[tuple[int, AsyncEngine]]:
+        return [(r.index, r.engine) for r in self._replicas if r.engine is not None]
+
+    async def _sleep_replica(self, index: int, engine: AsyncEngine) -> None:
+        """A replica opened while the pool sleeps (or falls asleep): put it to sleep too
+        (logged on failure).  Under the sleep lock, so a sleep or wake of the pool under
+        way finishes first and the level read is the pool's after it."""
+        async with self._sleep_lock:
+            if not self.sleep_level:
+                return
+            try:
+                await engine.sleep(self.sleep_level)
+            except Exception:
+                log.exception("could not put reopened replica %d to sleep", index)
+
+    async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """Put every open replica to sleep at ``level`` (``AsyncEngine.sleep``), all at once;
+        replicas opened later sleep too until :meth:`wake_up`.  Returns one report per
+        replica: ``index`` and ``ranks`` (each worker's report).  Raises the first replica's
+        error (:class:`~omni_trio.errors.InvalidRequestError` for a bad level,
+        :class:`~omni_trio.errors.StallError` if it could not drain in time, a
+        :class:`~omni_trio.errors.WorkerError`); the replicas that did fall asleep are then
+        woken again, so the pool is awake as before."""
+        async with self._sleep_lock:
+            engines = self._open_engines()
+            if not engines:
+                raise NotReadyError(self.readiness()[1] or "no replica is open")
+            before = self.sleep_level
+            # Shielded: a caller that leaves halfway must not leave some replicas asleep
+            # with the pool awake (each engine's sleep is bounded by its drain timeout).
+            with trio.CancelScope(shield=True):
+                reports, errors = await _each(engines, lambda engine: engine.sleep(level))
+                if errors:
+                    if not before:  # it was awake: so are the replicas again
+                        await _each(
+                            [(i, e) for i, e in engines if i in reports],
+                            lambda engine: engine.wake_up(),
+                        )
+                    raise errors[0]
+                self.sleep_level = max(level, before)
+            return [{"index": i, "ranks": reports[i]} for i in sorted(reports)]
+
+    async def wake_up(self) -> list[dict[str, Any]]:
+        """Wake every open replica (``AsyncEngine.wake_up``).  Returns one report per
+        replica, as :meth:`sleep`.  Raises the first replica's error; the pool stays asleep
+        (the replicas that woke serve; :meth:`wake_up` may be called again)."""
+        async with self._sleep_lock:
+            engines = self._open_engines()
+            with trio.CancelScope(shield=True):  # (as sleep: all or the error)
+                reports, errors = await _each(engines, lambda engine: engine.wake_up())
+            if errors:
+                raise errors[0]
+            self.sleep_level = 0
+            return [{"index": i, "ranks": reports[i]} for i in sorted(reports)]
+
+    def sleep_states(self) -> list[dict[str, Any]]:
+        """Per open replica: ``index``, ``state`` (awake, falling_asleep, asleep, waking)
+        and ``level`` (0 while awake)."""
+        states = []
+        for index, engine in self._open_engines():
+            stats = engine.statistics()
+            states.append(
+                {"index": index, "state": str(stats.sleep_state), "level": stats.sleep_level}
+            )
+        return states
 
     async def _serve_restart_waits(self) -> None:
         """End the restart waits (see :meth:`submit`): a request whose replica is ready
@@ -551,7 +647,8 @@ class EnginePool:
         return [
             r
             for r in self._replicas
-            if r.engine is not None and r.engine.health().state == EngineState.RESTARTING
+            if r.engine is not None
+            and r.engine.health().state in (EngineState.RESTARTING, EngineState.SLEEPING)
         ]
 
     def submit(
@@ -593,7 +690,7 @@ class EnginePool:
             raise NotReadyError(self.readiness()[1] or "no replica is ready")
         replica = min(admitting, key=lambda r: (r.in_flight, r.index))
         assert replica.engine is not None
-        restarting = not replica.engine.health().healthy
+        restarting = replica.engine.health().state is EngineState.RESTARTING
         inner = replica.engine.stream(prompt, params, request_id=rid)
         stream = PooledStream(inner, replica.index, self._release, public_id=public, owner=owner)
         self._active[rid] = stream

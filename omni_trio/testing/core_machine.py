@@ -63,7 +63,7 @@ from .._core.engine_core import (
     Instruction,
     StopForwards,
 )
-from .._core.health import GroupState
+from .._core.health import EngineState, GroupState, SleepState
 from .._core.lifecycle import RequestStatus
 from .._core.messages import BatchRunnerOutput, DiffusionOutput, RunnerOutput, SchedulerOutput
 from .._core.model_info import ModelInfo
@@ -156,6 +156,7 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             self.strays: set[str] = set()  # ids of the stray results the fake executor sent
             # Live incarnations with a deadline_s: request id -> (absolute deadline, state).
             self.deadlines: dict[str, tuple[float, Any]] = {}
+            self.sleep_asked = 1  # the level of the sleep under way
             self.core.group_started(_INFO, self.now)
 
         @property
@@ -339,6 +340,12 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             note(f"schedule -> {out.scheduled_request_ids if out else None}")
             if out is None:
                 return
+            if self.core.sleep_state is not SleepState.AWAKE:
+                # A sleep is a control call between waves: nothing starts meanwhile (INV-4).
+                assert not out.scheduled_new_reqs, (
+                    f"{[n.request_id for n in out.scheduled_new_reqs]} started while the "
+                    f"engine was {self.core.sleep_state.value}"
+                )
             for rid in out.scheduled_request_ids:
                 assert self.core.status_of(rid) is _S.RUNNING
                 self.stopped.discard(rid)
@@ -595,7 +602,62 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
             note("a new worker group starts")
             self.core.group_started(_INFO, self.now)
             self.worker_holds = {}  # the new group holds no step state
-            assert self.core.health().healthy
+            # (The shell puts a new group of a sleeping engine to sleep again.)
+            assert self.core.health().healthy == (self.core.sleep_state is SleepState.AWAKE)
+
+        # -- rules: sleep and wake ------------------------------------------------------
+
+        @precondition(
+            lambda self: (
+                not self.ended and self.core.sleep_state in (SleepState.AWAKE, SleepState.ASLEEP)
+            )
+        )
+        @rule(level=st.sampled_from([1, 2]))
+        def begin_sleep(self, level: int) -> None:
+            """The operator asks for sleep: from now on no waiting request starts."""
+            note(f"begin_sleep({level})")
+            self.core.begin_sleep(level, self.now)
+            self.sleep_asked = level
+
+        @precondition(
+            lambda self: (
+                self.core.sleep_state is SleepState.FALLING_ASLEEP and not self.core.busy_ids()
+            )
+        )
+        @rule(ok=st.booleans())
+        def workers_fall_asleep(self, ok: bool) -> None:
+            """Nothing runs or packs: the workers release their weights (or one fails)."""
+            note(f"fell_asleep ok={ok}")
+            if ok:
+                self.core.fell_asleep(self.sleep_asked, self.now)
+            else:
+                self.core.sleep_failed(self.now, "WorkerError: could not release")
+
+        @precondition(lambda self: self.core.sleep_state is SleepState.FALLING_ASLEEP)
+        @rule()
+        def sleep_times_out(self) -> None:
+            note("sleep_failed (timeout)")
+            self.core.sleep_failed(self.now, "StallError: still running")
+
+        @precondition(lambda self: self.core.sleep_state is SleepState.ASLEEP)
+        @rule(ok=st.booleans())
+        def wake(self, ok: bool) -> None:
+            note(f"wake ok={ok}")
+            assert self.core.begin_wake(self.now)
+            if ok:
+                self.core.woke(self.now)
+            else:
+                self.core.wake_failed(self.now, "OSError: weights gone")
+                assert self.core.sleep_state is SleepState.ASLEEP
+
+        @invariant()
+        def health_says_sleeping(self) -> None:
+            """Falling asleep, asleep or waking, a running group is reported sleeping (never
+            healthy)."""
+            if self.ended or self.core.group is not GroupState.RUNNING:
+                return
+            sleeping = self.core.sleep_state is not SleepState.AWAKE
+            assert (self.core.health().state is EngineState.SLEEPING) == sleeping
 
         # -- rules: the end -----------------------------------------------------------
 
@@ -670,7 +732,10 @@ def make_core_machine(options: CoreMachineOptions | None = None) -> type[RuleBas
         @invariant()
         def health_follows_the_group(self) -> None:
             health = self.core.health()
-            assert health.healthy == (self.core.group is GroupState.RUNNING and not self.ended)
+            awake = self.core.sleep_state is SleepState.AWAKE
+            assert health.healthy == (
+                self.core.group is GroupState.RUNNING and not self.ended and awake
+            )
 
         def teardown(self) -> None:
             self.apply(self.core.close(self.now))

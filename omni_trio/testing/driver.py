@@ -288,6 +288,22 @@ class EngineDriver:
 
         return self.run(call)
 
+    def sleep_engine(self, level: int) -> bool:
+        """``AsyncEngine.sleep(level)``; True if the engine fell asleep, False if the sleep
+        failed with a typed error (requests still running past the drain timeout, a failed
+        group: the engine is then awake)."""
+        engine = self._engine()
+        try:
+            self.run(lambda: engine.sleep(level))
+        except OmniTrioError:
+            return False
+        return True
+
+    def wake_engine(self) -> None:
+        """``AsyncEngine.wake_up()``: waiting requests run again."""
+        engine = self._engine()
+        self.run(engine.wake_up)
+
     def leftovers(self) -> tuple[dict[str, set[str]], frozenset[str]]:
         """What the engine holds now, by kind (``AsyncEngine.leftovers()``), and the ids of
         the forward in flight; see :func:`~omni_trio.testing.check_leftovers`."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
+from hypothesis import note
 from hypothesis import settings as Settings
 from hypothesis.stateful import (
     Bundle,
@@ -314,6 +315,7 @@ def make_engine_machine(
             self.submitted: dict[str, _Submitted] = {}
             # Trace positions (index in the current recorder) where a fault was injected.
             self.fault_marks: list[int] = []
+            self.asleep = False  # the engine was put to sleep and not woken yet
             self._open_engine()
             stats.examples += 1
 
@@ -324,6 +326,7 @@ def make_engine_machine(
             self.driver.consumers.clear()
             self.submitted.clear()
             self.fault_marks.clear()
+            self.asleep = False
             self.driver.open(config)
             stats.engines += 1
 
@@ -482,12 +485,32 @@ def make_engine_machine(
                 assert isinstance(reply, dict), reply
             stats.rules += 1
 
+        @precondition(lambda self: self.driver.is_open and not self.asleep)
+        @rule(level=st.sampled_from([1, 2]))
+        def sleep(self, level: int) -> None:
+            """Put the workers to sleep (weights released) between waves: requests
+            submitted meanwhile wait; the ones running finish first (or the sleep fails,
+            typed, and the engine stays awake)."""
+            self.asleep = self.driver.sleep_engine(level)
+            note(f"sleep({level}) -> {'asleep' if self.asleep else 'failed'}")
+            stats.rules += 1
+
+        @precondition(lambda self: self.driver.is_open and self.asleep)
+        @rule()
+        def wake_up(self) -> None:
+            """Give the weights back: every waiting request runs, with its own image."""
+            self.driver.wake_engine()
+            self.asleep = False
+            stats.rules += 1
+
         @precondition(lambda self: self.driver.is_open)
         @rule()
         def wait_for_everything(self) -> None:
             """Every consumer is done, the engine settles, and then nothing anywhere (core,
             streams, pump, runner and step state, stop flags, packer) holds a request."""
             driver = self.driver
+            if self.asleep:  # nothing waiting would ever finish
+                self.wake_up()
             assert driver.wait_finished(timeout=options.settle_timeout_s), (
                 "requests did not finish within the settle timeout (INV-6)"
             )

@@ -36,6 +36,7 @@ from ..errors import InvalidConfigError
 from .cfg_parallel import CollectiveError
 from .device import check_device
 from .faults import FaultInjector, FaultPlan, WorkerFatalError, split_fault_options
+from .profiler import profile_span
 from .stop_flags import AbortMarks, ForwardStopped, StopFlags
 
 if TYPE_CHECKING:
@@ -209,6 +210,7 @@ class ModelRunner:
             )
         if self._offered_cfg is not None and model.enable_cfg_parallel(self._offered_cfg):
             self.cfg = self._offered_cfg
+        model.configure_loras(self.config.loras, self.config.max_loras)
         self._model = model
         return model.info
 
@@ -222,7 +224,8 @@ class ModelRunner:
             raise RuntimeError("step execution is not enabled for this runner")
         if not scheduler_output.is_empty:  # (an empty one only frees finished requests)
             self.steps_done += 1
-        return self._step_runner.execute(scheduler_output)
+        with profile_span("omni_trio.step"):
+            return self._step_runner.execute(scheduler_output)
 
     def execute_model(self, request: DiffusionRequest) -> BatchRunnerOutput:
         return self.execute_model_batch([request])
@@ -313,7 +316,7 @@ class ModelRunner:
 
         started = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), profile_span("omni_trio.forward"):
                 raw = model.generate(
                     requests,
                     generators,
@@ -400,6 +403,21 @@ class ModelRunner:
                 )
             )
         return BatchRunnerOutput.from_list(outputs)
+
+    def sleep(self, level: int, directory: str | None = None) -> int:
+        """Release the model's weights at ``level`` (:meth:`DiffusionModel.sleep`); the
+        bytes released.  Called between forwards only (the worker's caller orders it)."""
+        if self._model is None:
+            raise RuntimeError("model not loaded")
+        released = self._model.sleep(level, directory)
+        gc.collect()
+        return released
+
+    def wake_up(self) -> int:
+        """Take the weights back (:meth:`DiffusionModel.wake_up`); the bytes restored."""
+        if self._model is None:
+            raise RuntimeError("model not loaded")
+        return self._model.wake_up()
 
     def close(self) -> None:
         """Release the model and its memory; idempotent."""

@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import AsyncOutput, BatchRunnerOutput, RunnerOutput, SchedulerOutput
 from .._core.request import DiffusionRequest
 from ..config import EngineConfig
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, StallError
+from ..models.offload import sweep_orphan_dirs
+from .extension import WorkerExtension, extension_class, runner_class
 from .faults import FaultInjector
 from .output_packer import OutputPacker, record_ready_event
+from .profiler import WorkerProfiler
 from .runner import ForwardedBatch, ModelRunner, StepProgress
 from .step_runner import snapshot_keys
 from .stop_flags import AbortMarks, StopFlags
@@ -42,7 +47,8 @@ __all__ = ["RPC_METHODS", "Worker", "rank_device", "resolve_device", "resolve_dt
 
 log = logging.getLogger(__name__)
 
-# Methods callable through collective_rpc.  Anything else is refused.
+# Methods callable through collective_rpc.  Anything else is refused, unless it is a public
+# method of the worker extension (config.worker_extension_cls; omni_trio.worker.extension).
 RPC_METHODS = frozenset(
     {
         "ping",
@@ -52,10 +58,24 @@ RPC_METHODS = frozenset(
         "execute_scheduler_output",
         "execute_stepwise",
         "drain_outputs",
+        "sleep",
+        "wake_up",
         "leftovers",
         "set_torch_threads",
+        "start_profile",
+        "stop_profile",
+        "discard_profile",
     }
 )
+
+
+def resident_bytes() -> int:
+    """This process's resident set size in bytes (0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -139,6 +159,10 @@ class Worker:
         self.cfg: CfgParallel | None = None
         # Off (every plan empty) unless config.fault_injection.
         self.faults = FaultInjector.from_config(config, rank=rank, stop_flags=self.stop_flags)
+        # config.worker_extension_cls, built by load_model: its public methods are RPCs too.
+        self.extension: WorkerExtension | None = None
+        # torch.profiler, between start_profile and stop_profile (omni_trio.worker.profiler).
+        self.profiler = WorkerProfiler(rank)
 
     def init_device(self) -> None:
         """Select the device, apply the thread setting (process-wide in torch) and, with two
@@ -190,11 +214,15 @@ class Worker:
         """Load the model on this worker's device; offer it the CFG-parallel group, which is
         closed at once if the model cannot use it (every rank decides alike)."""
         self.faults.on_load()
+        # The weights a worker killed while asleep left on this machine (level 1).
+        sweep_orphan_dirs(Path(self.config.sleep_dir or tempfile.gettempdir()))
         device = self.device
         if device is None:  # init_device was skipped
             device = rank_device(self.config.device, self.rank, self.world_size)[0]
         dtype = resolve_dtype(self.config.dtype, device)
-        runner = ModelRunner(
+        # Extension points (omni_trio.worker.extension), refused before the model loads.
+        extension_cls = extension_class(self.config.worker_extension_cls, reserved=RPC_METHODS)
+        runner = runner_class(self.config.runner_cls)(
             self.config,
             device,
             dtype,
@@ -209,6 +237,8 @@ class Worker:
         self.runner = runner
         if self.cfg is not None and runner.cfg is None:
             self._close_cfg()
+        if extension_cls is not None and self.extension is None:
+            self.extension = WorkerExtension(extension_cls, self)
         return self.model_info
 
     @property
@@ -324,6 +354,35 @@ class Worker:
         """Wait (bounded) until every pending output is packed; before memory-releasing calls."""
         return self.packer.drain(timeout) if self.packer is not None else True
 
+    def sleep(self, level: int, drain_timeout_s: float | None = 10.0) -> dict[str, Any]:
+        """Release this rank's weights at ``level`` (1: a copy kept off the device, 2: none;
+        :mod:`omni_trio.models.offload`), after the output packer has drained: every output
+        still being packed is delivered first (within ``drain_timeout_s``; past it a
+        :class:`StallError` (phase ``packing``) names what was still packing and nothing is
+        released).  Returns ``rank``, ``level``, ``released_bytes`` and this process's
+        ``rss_bytes`` after the release.  The engine calls it between forwards only."""
+        if not self.drain_outputs(drain_timeout_s):
+            assert self.packer is not None
+            packing = sorted(self.packer.leftovers().get("packer_queue", set()))
+            raise StallError(
+                "packing",
+                f"worker {self.rank}: outputs of {packing} were still being packed after "
+                f"{drain_timeout_s} s; nothing was released",
+            )
+        released = self._runner().sleep(level, self.config.sleep_dir)
+        return {
+            "rank": self.rank,
+            "level": level,
+            "released_bytes": released,
+            "rss_bytes": resident_bytes(),
+        }
+
+    def wake_up(self) -> dict[str, Any]:
+        """Take this rank's weights back (a no-op when awake).  Returns ``rank``,
+        ``restored_bytes`` and ``rss_bytes``.  If it raises, the rank is still asleep."""
+        restored = self._runner().wake_up()
+        return {"rank": self.rank, "restored_bytes": restored, "rss_bytes": resident_bytes()}
+
     def execute_stepwise(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         """Step mode: one denoising step for every scheduled request."""
         try:
@@ -371,17 +430,40 @@ class Worker:
             "cfg_parallel": self.cfg_parallel,
         }
 
+    def start_profile(self, directory: str, prefix: str) -> str:
+        """Start ``torch.profiler`` on this worker's thread (CPU, plus CUDA on a GPU); returns
+        the absolute path its trace will get, ``<directory>/<prefix>-rank<N>.json`` (a
+        relative ``directory`` is this process's).  Raises ``RuntimeError`` while profiling
+        and what :meth:`WorkerProfiler.start` raises for a bad directory or prefix."""
+        device = self.device or rank_device(self.config.device, self.rank, self.world_size)[0]
+        return self.profiler.start(directory, prefix, device=device)
+
+    def stop_profile(self) -> str:
+        """Stop profiling and write the Chrome trace; returns its path.  Raises
+        ``RuntimeError`` when not profiling."""
+        return self.profiler.stop()
+
+    def discard_profile(self) -> bool:
+        """Stop profiling without writing a trace; False when not profiling."""
+        return self.profiler.discard()
+
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method not in RPC_METHODS:
-            raise AttributeError(f"worker has no RPC method {method!r}")
+            # Not built in: a public method of the worker extension, if there is one.
+            bound = self.extension.method(method) if self.extension is not None else None
+            if bound is None:
+                raise AttributeError(f"worker has no RPC method {method!r}")
+            return bound(*args, **kwargs)
         return getattr(self, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
         self.faults.release()  # no injected in-process hang outlives the worker
+        self.profiler.close()  # a profile still running is not written
         packer, self.packer = self.packer, None
         if packer is not None and not packer.close(self.config.close_timeout_s):
             log.error("worker %d: output packer did not stop in time", self.rank)
         runner, self.runner = self.runner, None
+        self.extension = None
         if runner is not None:
             runner.close()
         self._close_cfg()

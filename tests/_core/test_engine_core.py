@@ -857,3 +857,182 @@ def test_step_mode_counts_applied_steps_and_the_tick_in_flight_as_wasted() -> No
     assert stats.batch_sizes == ((1, 3),)
     assert stats.cancel_latency_counts[5] == 1  # (100 ms, 250 ms]
     assert_clean(core, trace)
+
+
+def test_step_mode_times_each_tick_from_dispatch_to_result_and_request_mode_none() -> None:
+    from omni_trio._core.health import TICK_BUCKETS_S
+
+    core, trace = make(max_num_seqs=2, step_execution=True)
+    admit(core, "a", num_inference_steps=3)
+    admit(core, "b", num_inference_steps=3)
+    for tick, took in enumerate((0.004, 0.02, 0.3)):
+        out = schedule(core, 10.0 + tick)
+        done = tick == 2
+        outputs = [RunnerOutput(rid, step_index=tick + 1, finished=done) for rid in ("a", "b")]
+        core.runner_output(out, result(*outputs), 10.0 + tick + took)
+    stats = core.statistics()
+    assert len(stats.tick_counts) == len(TICK_BUCKETS_S) + 1
+    assert sum(stats.tick_counts) == 3  # one per tick, whatever its batch
+    assert stats.tick_counts[2] == 1  # (2.5 ms, 5 ms]
+    assert stats.tick_counts[4] == 1  # (10 ms, 25 ms]
+    assert stats.tick_counts[8] == 1  # (250 ms, 500 ms]
+    assert stats.tick_sum_s == pytest.approx(0.324)
+    assert_clean(core, trace)
+
+    core, trace = make(max_num_seqs=1)
+    admit(core, "c", num_inference_steps=3)
+    out = schedule(core, 1.0)
+    core.runner_output(out, result(RunnerOutput("c")), 1.5)
+    assert sum(core.statistics().tick_counts) == 0  # request mode: a wave is no tick
+    assert_clean(core, trace)
+
+
+# -- sleep and wake ----------------------------------------------------------------------
+
+
+def test_falling_asleep_holds_the_queue_and_waits_for_running_and_packing() -> None:
+    from omni_trio._core.health import SleepState
+
+    core, trace = make(max_num_seqs=1)
+    admit(core, "run")
+    out = schedule(core)
+    core.begin_sleep(2, 1.5)
+    assert core.sleep_state is SleepState.FALLING_ASLEEP
+    admit(core, "later", now=1.6)
+    # The running request is busy; the waiting one does not start.
+    assert core.busy_ids() == ["run"]
+    announced = RunnerOutput("run", async_output_id="b/run")
+    core.runner_output(out, result(announced), 2.0, worker=0)
+    assert core.busy_ids() == ["run"]  # packing
+    core.output_ready("run", "b/run", RunnerOutput("run", images=("img",)), 2.1)
+    assert core.busy_ids() == []
+    assert not core.has_work() and core.schedule(2.2, worker=0) is None
+    core.fell_asleep(2, 2.3)
+    health = core.health()
+    assert (health.state, health.healthy, health.sleep_level) == (EngineState.SLEEPING, False, 2)
+    assert core.status_of("later") is S.WAITING
+    assert core.begin_wake(3.0)
+    assert not core.has_work()  # still holding while waking
+    core.woke(3.1)
+    assert core.has_work()
+    assert schedule(core, 3.2).scheduled_request_ids == ("later",)
+    stats = core.statistics()
+    assert (stats.sleep_state, stats.sleep_level, stats.sleeps) == (SleepState.AWAKE, 0, 1)
+    sleep_events = [
+        (e.kind, e.detail["state"]) for e in trace.events if e.kind in (K.SLEEP, K.WAKE)
+    ]
+    assert sleep_events == [
+        (K.SLEEP, "falling_asleep"),
+        (K.SLEEP, "asleep"),
+        (K.WAKE, "waking"),
+        (K.WAKE, "awake"),
+    ]
+    assert check_trace(trace.events, closed=False, abort_latency_s=0.0) == []
+
+
+def test_a_failed_sleep_or_wake_goes_back_to_where_it_was() -> None:
+    from omni_trio._core.health import SleepState
+
+    core, _ = make()
+    core.begin_sleep(1, 0.0)
+    core.sleep_failed(0.1, "StallError: still running")
+    assert (core.sleep_state, core.scheduler.holding) == (SleepState.AWAKE, False)
+    core.begin_sleep(1, 0.2)
+    core.fell_asleep(1, 0.3)
+    # A deeper sleep that fails leaves it asleep at level 1.
+    core.begin_sleep(2, 0.4)
+    core.sleep_failed(0.5, "WorkerError")
+    assert (core.sleep_state, core.sleep_level, core.scheduler.holding) == (
+        SleepState.ASLEEP,
+        1,
+        True,
+    )
+    assert core.begin_wake(0.6)
+    core.wake_failed(0.7, "OSError")
+    assert (core.sleep_state, core.sleep_level) == (SleepState.ASLEEP, 1)
+    assert core.begin_wake(0.8)
+    core.woke(0.9)
+    assert not core.begin_wake(1.0)  # awake: nothing to do
+
+
+def test_sleep_refuses_bad_levels_overlaps_and_ended_engines() -> None:
+    core, _ = make()
+    with pytest.raises(ValueError, match="1 or 2"):
+        core.begin_sleep(3, 0.0)
+    core.begin_sleep(1, 0.0)
+    with pytest.raises(RuntimeError, match="under way"):
+        core.begin_sleep(1, 0.1)
+    with pytest.raises(RuntimeError, match="under way"):
+        core.begin_wake(0.1)
+    with pytest.raises(RuntimeError):
+        core.woke(0.1)
+    core.close(0.2)
+    with pytest.raises(EngineClosedError):
+        core.begin_sleep(1, 0.3)
+
+
+def test_reject_while_asleep_refuses_admission_without_admitting() -> None:
+    from omni_trio.errors import EngineAsleepError
+
+    core, _ = make(reject_while_asleep=True)
+    core.begin_sleep(1, 0.0)
+    with pytest.raises(EngineAsleepError, match="falling asleep"):
+        admit(core, "r")
+    core.fell_asleep(1, 0.1)
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        admit(core, "r")
+    assert core.statistics().admitted == 0
+    core.begin_wake(0.2)
+    core.woke(0.3)
+    admit(core, "r")
+    assert core.status_of("r") is S.WAITING
+
+
+# -- the scheduler class (EngineConfig.scheduler_cls) ------------------------------------------
+
+
+def test_the_core_builds_the_configured_scheduler_class() -> None:
+    from omni_trio._core.scheduler import RequestScheduler, StepScheduler
+
+    class Waves(RequestScheduler):
+        pass
+
+    class Ticks(StepScheduler):
+        pass
+
+    assert type(EngineCore(CoreConfig()).scheduler) is RequestScheduler
+    assert type(EngineCore(CoreConfig(scheduler_cls=Waves)).scheduler) is Waves
+    core = EngineCore(CoreConfig(step_execution=True, max_num_seqs=3, scheduler_cls=Ticks))
+    assert type(core.scheduler) is Ticks and core.scheduler.capacity == 3
+    with pytest.raises(ValueError, match="subclass of StepScheduler in step mode"):
+        EngineCore(CoreConfig(step_execution=True, scheduler_cls=Waves))
+    with pytest.raises(ValueError, match="subclass of RequestScheduler in request mode"):
+        EngineCore(CoreConfig(scheduler_cls=Ticks))
+
+
+# -- LoRA at admission ---------------------------------------------------------------------
+
+
+def test_lora_is_canonical_after_admission_and_checked_against_the_registry() -> None:
+    import dataclasses
+
+    core, _ = make(lora_names=frozenset({"outline", "stripes"}), max_loras=2)
+    core.group_started(dataclasses.replace(INFO, lora_input=True), 0.0)
+    admitted = admit(core, "r", lora=["stripes", ("outline", 0.5)])
+    assert admitted.sampling.lora == (("outline", 0.5), ("stripes", 1.0))
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'dots'") as info:
+        admit(core, "r2", lora="dots")
+    assert info.value.param == "lora"
+    core2, _ = make(lora_names=frozenset({"a", "b", "c"}), max_loras=2)
+    core2.group_started(dataclasses.replace(INFO, lora_input=True), 0.0)
+    with pytest.raises(InvalidRequestError, match="at most 2"):
+        admit(core2, "r", lora=["a", "b", "c"])
+    assert core2.statistics().admitted == 0
+
+
+def test_a_model_that_cannot_apply_lora_refuses_it_at_admission() -> None:
+    core, _ = make(lora_names=frozenset({"outline"}))
+    with pytest.raises(InvalidRequestError, match="cannot apply LoRA") as info:
+        admit(core, "r", lora="outline")
+    assert info.value.param == "lora"
+    admit(core, "r")  # without one it is admitted

@@ -168,3 +168,14 @@ def test_strength_is_part_of_the_request_key_only() -> None:
     assert request_batch_key(a) != request_batch_key(b)
     assert request_batch_key(default) == request_batch_key(explicit)
     assert step_batch_key(a) == step_batch_key(b)
+
+
+@pytest.mark.parametrize("key_fn", BOTH, ids=lambda f: f.__name__)
+def test_lora_adapters_and_scales_are_in_both_keys(key_fn: KeyFn) -> None:
+    plain = key_fn(make_request())
+    outline = key_fn(make_request(lora=(("outline", 1.0),)))
+    assert len({plain, outline}) == 2
+    assert outline == key_fn(make_request("r2", "a dog", lora=(("outline", 1.0),)))
+    assert outline != key_fn(make_request(lora=(("outline", 0.5),)))
+    assert outline != key_fn(make_request(lora=(("outline", 1.0), ("stripes", 1.0))))
+    hash(outline)

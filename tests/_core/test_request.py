@@ -461,3 +461,49 @@ def test_image_size_reads_pil_and_arrays_and_nothing_else() -> None:
     assert image_size(np.zeros((32, 40, 2), np.uint8)) is None
     assert image_size(np.zeros((32, 40, 3), np.int64)) is None
     assert image_size("32x40") is None
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        (None, ()),
+        ((), ()),
+        ("outline", (("outline", 1.0),)),
+        (("outline", 0.5), (("outline", 0.5),)),
+        (["b", ("a", -2)], (("a", -2.0), ("b", 1.0))),
+        ([{"name": "a", "scale": 3}], (("a", 3.0),)),
+        ({"name": "a"}, (("a", 1.0),)),
+        (("a", "b"), (("a", 1.0), ("b", 1.0))),  # two names, not a (name, scale) pair
+        (["a", 0.5], (("a", 0.5),)),  # JSON's form of a pair
+    ],
+)
+def test_lora_is_made_canonical(given: Any, canonical: Any) -> None:
+    from omni_trio._core.request import canonical_lora
+
+    assert canonical_lora(given) == canonical
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        5,
+        [("a", 1.0, 2)],
+        [("a", math.nan)],
+        [("a", 11)],
+        [("a", True)],
+        ["a", "a"],
+        [""],
+        ["bad\nname"],
+        [{"name": "a", "weight": 1}],
+        [{"scale": 1}],
+    ],
+)
+def test_bad_lora_is_refused_naming_the_field(bad: Any) -> None:
+    from omni_trio._core.request import canonical_lora
+
+    with pytest.raises(InvalidRequestError) as info:
+        canonical_lora(bad)
+    assert info.value.param == "lora"
+    request = DiffusionRequest("p", SamplingParams(lora=bad), "r")
+    with pytest.raises(InvalidRequestError):
+        validate_request(request)

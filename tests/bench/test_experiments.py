@@ -271,6 +271,9 @@ def test_serve_quick(tmp_path: Path, cache_dir: Path) -> None:
             assert figures["failed"] == 0 and figures["completed"] == figures["requests"] > 0
         assert isinstance(results[part]["p50_difference_ms"], float)
         assert results[part]["requests_per_s_ratio"] > 0
+    # The "with" side is scraped meanwhile (the first scrape of each round at once).
+    scrapes = results["metrics"]["scrapes"]
+    assert scrapes["ok"] >= 1 and scrapes["failed"] == 0
     replay = results["replay"]
     assert replay["jobs"] == 3 and replay["events"] >= 3 * 4 and replay["reconnects"] == 3
     assert replay["events_lost"] == replay["events_seen_twice"] == 0 and replay["failed"] == []

@@ -1,5 +1,6 @@
 """``bench quality`` runs end to end on a tiny N and reports adherence per prompt and in total;
-``--img2img`` recolours and inpaints the renders and reports per mode.
+``--img2img`` recolours and inpaints the renders and reports per mode; ``--lora`` renders the
+grid with and without the shipped outline adapter and reports the style rates.
 
 Smoke tests: 1 image per prompt at 2 steps says nothing about the model (see
 tests/models/shapes/test_trained_model.py and docs/benchmarks.md for that).
@@ -18,7 +19,10 @@ import pytest
 from omni_trio.bench import add_bench_parser, run_bench
 from omni_trio.bench.quality import (
     COLOUR_TARGET,
+    LORA_ADHERENCE_TARGET,
     SHAPE_TARGET,
+    STYLE_WITH_TARGET,
+    STYLE_WITHOUT_TARGET,
     UNMASKED_TARGET,
     inpaint_mask,
     other,
@@ -123,4 +127,46 @@ def test_strength_without_img2img_is_bad_input(tmp_path: Path, cache_dir: Path) 
 
 def test_an_unknown_colour_is_bad_input(tmp_path: Path, cache_dir: Path) -> None:
     code, _, _ = _run(["--cache-dir", str(cache_dir), "--colours", "teal"], tmp_path)
+    assert code == 2
+
+
+@pytest.mark.slow
+def test_lora_quick_renders_with_and_without_the_shipped_adapter(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    argv = ["--cache-dir", str(cache_dir), "--lora", "--steps", "2"]
+    code, data, out = _run([*argv, "--colours", "red", "--shapes", "circle,square"], tmp_path)
+    assert code == 0, out
+    params, results = data["params"], data["results"]
+    assert params["lora"] is True and params["lora_path"] == "builtin:shapes-outline"
+    assert params["lora_scale"] == 1.0 and params["steps"] == 2
+    assert results["images"] == 4 and results["style"] == "outline"
+    for key in (
+        "style_rate_with_lora",
+        "style_rate_without_lora",
+        "colour_adherence_with_lora",
+        "shape_adherence_with_lora",
+        "colour_adherence_without_lora",
+        "shape_adherence_without_lora",
+    ):
+        assert 0.0 <= results[key] <= 1.0, key
+    assert (
+        results["style_with_target"],
+        results["style_without_target"],
+        results["adherence_target"],
+    ) == (STYLE_WITH_TARGET, STYLE_WITHOUT_TARGET, LORA_ADHERENCE_TARGET)
+    assert (STYLE_WITH_TARGET, STYLE_WITHOUT_TARGET, LORA_ADHERENCE_TARGET) == (0.9, 0.05, 0.9)
+    for key in ("style_with_target_met", "style_without_target_met", "shape_target_met"):
+        assert isinstance(results[key], bool)
+    assert set(results["per_prompt"]) == {"a red circle", "a red square"}
+    assert [row["prompt"] for row in data["rows"]] == ["a red circle", "a red square", "total"]
+    assert "style with the adapter" in out and "| a red square" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--lora-path", "/tmp/x"], ["--lora-scale", "0.5"], ["--lora", "--img2img"]],
+)
+def test_lora_options_need_lora_alone(tmp_path: Path, cache_dir: Path, argv: list[str]) -> None:
+    code, _, _ = _run(["--cache-dir", str(cache_dir), *argv], tmp_path)
     assert code == 2

@@ -109,6 +109,15 @@ def test_generate_in_a_with_block(cache_dir: Path) -> None:
     assert WORKER_THREAD not in thread_names()
 
 
+def test_sleep_and_wake_up_from_plain_python(cache_dir: Path) -> None:
+    with Engine(config(cache_dir)) as engine:
+        assert [r["level"] for r in engine.sleep(2)] == [2]
+        assert engine.health().state is EngineState.SLEEPING
+        assert [r["rank"] for r in engine.wake_up()] == [0]
+        assert engine.health().healthy
+        assert engine.generate("a cat", params(seed=3)).ok
+
+
 def test_overrides_apply_on_top_of_the_config(cache_dir: Path) -> None:
     with Engine(config(cache_dir), max_num_seqs=2) as engine:
         assert engine.config.max_num_seqs == 2
@@ -340,3 +349,16 @@ def test_health_is_the_async_engines_snapshot(cache_dir: Path) -> None:
         engine.close()
     after = engine.health()
     assert not after.healthy and after.state is EngineState.CLOSED
+
+
+def test_profiling_forwards_to_the_async_engine(cache_dir: Path, tmp_path: Path) -> None:
+    """``start_profile`` / ``stop_profile`` block and raise as the async engine's do."""
+    with Engine(config(cache_dir)) as engine:
+        with pytest.raises(RuntimeError, match="not profiling"):
+            engine.stop_profile()
+        engine.start_profile(tmp_path, prefix="sync")
+        assert engine.generate("traced", params(seed=2)).ok
+        assert engine.stop_profile() == [str(tmp_path / "sync-rank0.json")]
+    assert (tmp_path / "sync-rank0.json").stat().st_size > 0
+    with pytest.raises(EngineClosedError):
+        engine.start_profile(tmp_path)

@@ -110,7 +110,11 @@ async def run_server(
     )
     http_limits = http_limits or HttpLimits(graceful_timeout_s=1.0)
     http = HttpServer(
-        app, http_limits.hypercorn_config(["127.0.0.1:0"]), http_limits, metrics=metrics
+        app,
+        http_limits.hypercorn_config(["127.0.0.1:0"]),
+        http_limits,
+        metrics=metrics,
+        retry_after=partial(pool.retry_after_s, excess=1),  # as the daemon wires it
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.serve)

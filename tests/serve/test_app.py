@@ -29,6 +29,7 @@ from omni_trio.serve.app import (
     RESPONSE_BYTES_PER_IMAGE,
     RESPONSE_BYTES_PER_PIXEL,
     ImagesApp,
+    _partial_targets,
     is_openai_sdk,
     is_valid_request_id,
     logger_sink,
@@ -382,6 +383,56 @@ async def test_sse_streams_progress_previews_and_the_result(stream_server: Serve
         )
 
 
+def test_partial_images_are_picked_evenly_over_the_previews_ending_at_the_last() -> None:
+    assert _partial_targets(19, 2) == {9, 18}  # not the first two
+    assert _partial_targets(19, 3) == {6, 12, 18}
+    assert _partial_targets(5, 1) == {4}
+    assert _partial_targets(3, 3) == {0, 1, 2}
+    assert _partial_targets(0, 2) == _partial_targets(4, 0) == set()
+    for previews in range(1, 60):
+        for wanted in range(1, previews + 1):
+            picks = sorted(_partial_targets(previews, wanted))
+            assert len(picks) == wanted and picks[-1] == previews - 1
+            gaps = [b - a for a, b in zip([-1, *picks[:-1]], picks, strict=True)]
+            assert max(gaps) - min(gaps) <= 1, (previews, wanted, picks)
+
+
+async def test_partial_images_are_spread_over_the_steps_and_no_more_than_the_steps_give() -> None:
+    """20 steps give 19 previews: partial_images=2 sends the ones after steps 10 and 19 (each
+    follows the progress event of its step), not the first two; asking more previews than
+    the steps give is a 400 that says how many they can give."""
+    with trio.fail_after(CAP_S):
+        async with (
+            # Progress only from the previews themselves (no timer), so each partial
+            # image follows the progress event of its own step.
+            run_server(streaming_output=True, app_options={"progress_interval_s": 60.0}) as server,
+            server.client() as client,
+        ):
+            body = {"prompt": "x", "size": "64x64", "stream": True, "seed": 3}
+            r, events = await read_events(
+                client, {**body, "num_inference_steps": 20, "partial_images": 2}
+            )
+            too_many = await client.post(
+                GEN, json={**body, "num_inference_steps": 3, "partial_images": 3}
+            )
+            most = await client.post(
+                GEN, json={**body, "num_inference_steps": 3, "partial_images": 2}
+            )
+    assert r.status_code == 200
+    steps_of_partials = []
+    step = 0
+    for name, data in events:
+        if name == "image_generation.progress":
+            step = data["step"]
+        elif name == "image_generation.partial_image":
+            steps_of_partials.append(step)
+    assert steps_of_partials == [10, 19], steps_of_partials
+    error = assert_envelope(too_many, 400, param="partial_images", code="invalid_value")
+    assert "at most 2 for 3 steps" in error["message"], error
+    assert most.status_code == 200
+    assert [n for n, _ in parse_sse(most.text)].count("image_generation.partial_image") == 2
+
+
 async def test_sse_without_step_previews_still_completes(server: Server) -> None:
     with trio.fail_after(CAP_S):
         async with server.client() as client:
@@ -565,9 +616,9 @@ async def test_delete_cancels_a_running_generation_within_a_step(server: Server)
         await trio.sleep(5 * STEP_DELAY_S)
         assert worker_steps(server) == stopped < LONG
         async with server.client() as client:
-            assert_envelope(
-                await client.delete("/v1/requests/victim"), 409, code="request_finished"
-            )
+            again = await client.delete("/v1/requests/victim")
+            assert_envelope(again, 409, code="request_finished")
+            assert again.headers["x-should-retry"] == "false"  # the SDKs retry 409s
             assert_envelope(
                 await client.delete("/v1/requests/nobody"), 404, code="request_not_found"
             )
@@ -746,6 +797,9 @@ async def test_a_dying_engine_answers_503_and_its_replica_comes_back() -> None:
             server.engine().executor.fail(WorkerError("killed by the test"))
             await wait_until(lambda: bool(answers))
             assert_envelope(answers[0], 503, code="engine_dead")
+            # Retryable: nothing was answered and nothing runs it again but a resend
+            # (docs/operations.md, retry-safe answers).
+            assert "x-should-retry" not in answers[0].headers
             # At most what is left of the measured open time of the replica reopening.
             open_s = server.pool.open_time_s()
             assert open_s is not None
@@ -1212,6 +1266,51 @@ async def test_an_unexpected_error_is_a_generic_500_naming_the_request() -> None
         assert record["outcome"] == "error" and "/var/secret" in record["detail"]
 
 
+async def test_the_sdk_with_default_retries_never_recomputes_a_request_that_failed_once_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The official client retries 5xx twice by default.  A failure after the images were
+    made (the url store broke: a generic 500) and a model that fails (a 500 with its error
+    type) both say ``x-should-retry: false``, so the engine admits each request once."""
+    register_models(
+        monkeypatch,
+        {
+            "fake:failing": lambda options: ScriptedModel(
+                fail_with=RuntimeError("model failure"), name="fake:failing"
+            )
+        },
+    )
+
+    def sdk_call(url: str, model: str, **extra: Any) -> openai.APIStatusError:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30) as sdk:
+            assert sdk.max_retries == 2  # the default
+            with pytest.raises(openai.APIStatusError) as info:
+                sdk.images.generate(
+                    model=model,
+                    prompt="x",
+                    size="64x64",
+                    extra_body={"num_inference_steps": 2},
+                    **extra,
+                )
+            return info.value
+
+    with trio.fail_after(CAP_S * 2):
+        async with run_server(store=BrokenStore(clock=FakeClock())) as server:
+            engine = server.engine()
+            stored = await trio.to_thread.run_sync(
+                lambda: sdk_call(server.url, MODEL, response_format="url")
+            )
+            assert stored.status_code == 500 and stored.body["code"] == "internal_error"
+            assert stored.response.headers["x-should-retry"] == "false"
+            assert engine.statistics().admitted == 1
+        async with run_server(model="fake:failing") as server:
+            engine = server.engine()
+            failed = await trio.to_thread.run_sync(lambda: sdk_call(server.url, "fake:failing"))
+            assert failed.status_code == 500 and failed.body["code"] == "RuntimeError"
+            assert failed.response.headers["x-should-retry"] == "false"
+            assert engine.statistics().admitted == 1
+
+
 # -- the hostile corpus ---------------------------------------------------------------------
 
 J = {"content-type": "application/json"}
@@ -1612,6 +1711,7 @@ async def test_a_corpus_of_hostile_requests_gets_envelopes_and_leaves_the_server
                 await wait_until(lambda: server.pool.in_flight == 1)
                 r = await generate(client, headers={"X-Request-Id": "dup"})
                 assert_envelope(r, 409, param="X-Request-Id", code="duplicate_request_id")
+                assert r.headers["x-should-retry"] == "false"  # no SDK resend runs it twice
             assert first[0].status_code == 200
             assert decode_b64(first[0].json()["data"][0]["b64_json"])[1][0] == "dup"
             # Still healthy and still generating.

@@ -592,7 +592,9 @@ async def test_past_the_connection_cap_new_connections_get_503_and_the_rest_is_f
             raw = await _read_until_closed(refused)
             error = _envelope(raw, 503, "too_many_connections")
             assert "max_connections=2" in error["message"]
-            assert _split(raw)[1]["retry-after"] == "2"
+            # As the daemon wires it: one service time at the measured rate (nothing
+            # measured yet here: the pool's default).
+            assert _split(raw)[1]["retry-after"] == str(server.pool.retry_after_s(excess=1))
             await refused.aclose()
             stats = http.statistics()
             assert (stats.open_connections, stats.refused) == (2, 1)
@@ -689,6 +691,36 @@ async def _bare_server(
         yield http, app, binds[0], stop
         if not stop.is_set():  # no orderly stop asked: cancel the server
             nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_connection_is_told_the_retry_after_the_server_gives_then() -> None:
+    """The cap's 503 carries the ``Retry-After`` that ``retry_after()`` gives at each
+    refusal (the daemon's measures the pool), not a constant."""
+    limits = HttpLimits(max_connections=1, keep_alive_timeout_s=60.0, graceful_timeout_s=0.5)
+    waits = iter([7, 9])
+    http = HttpServer(
+        BigBodyApp(),
+        limits.hypercorn_config(["127.0.0.1:0"]),
+        limits,
+        retry_after=lambda: next(waits),
+    )
+    seen: list[str] = []
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(http.serve, shutdown_trigger=trio.sleep_forever))
+            host, port = binds[0].removeprefix("http://").rsplit(":", 1)
+            held = await trio.open_tcp_stream(host, int(port))
+            await wait_until(lambda: http.statistics().open_connections == 1)
+            for _ in range(2):
+                refused = await trio.open_tcp_stream(host, int(port))
+                await refused.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw = await _read_until_closed(refused)
+                _envelope(raw, 503, "too_many_connections")
+                seen.append(_split(raw)[1]["retry-after"])
+                await refused.aclose()
+            await held.aclose()
+            nursery.cancel_scope.cancel()
+    assert seen == ["7", "9"]
 
 
 async def test_shutdown_closes_connections_still_open_and_returns() -> None:

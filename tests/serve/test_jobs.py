@@ -329,7 +329,10 @@ async def test_a_server_that_runs_no_jobs_says_503(server: Server) -> None:
             other.app._background = None
             async with other.client() as client:
                 r = await submit(client)
+            # From the pool's state (here ready: 1 s), not a constant.
+            expected = other.pool.unavailable_retry_after_s()
     assert_envelope(r, 503, code="jobs_unavailable")
+    assert r.headers["retry-after"] == str(expected) == "1"
     assert other.pool.in_flight == 0
 
 

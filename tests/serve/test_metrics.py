@@ -200,6 +200,59 @@ def test_batch_sizes_cancel_latency_and_wasted_steps_per_replica() -> None:
     assert s[("omni_trio_wasted_steps_total", (r0,))] == 17
 
 
+def test_admission_times_by_route_and_step_mode_ticks_per_replica() -> None:
+    from omni_trio._core.health import TICK_BUCKETS_S
+
+    counts = [0] * (len(TICK_BUCKETS_S) + 1)
+    counts[2], counts[4] = 3, 1  # (2.5 ms, 5 ms] and (10 ms, 25 ms]
+    stats = {"waiting": 0, "running": 0, "tick_counts": counts, "tick_sum_s": 0.032}
+    pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=0, draining=False)
+    m = ServeMetrics(cast(EnginePool, pool))
+    m.observe_admission("/v1/images/generations", 0.0008)
+    m.observe_admission("/v1/images/generations", 0.003)
+    m.observe_admission("/v1/jobs", 0.2)
+    s = samples(m)
+    gen = ("route", "/v1/images/generations")
+    assert s[("omni_trio_admission_seconds_count", (gen,))] == 2
+    assert s[("omni_trio_admission_seconds_bucket", (("le", "0.001"), gen))] == 1
+    assert s[("omni_trio_admission_seconds_count", (("route", "/v1/jobs"),))] == 1
+    r0 = ("replica", "0")
+    assert s[("omni_trio_tick_seconds_bucket", (("le", "0.005"), r0))] == 3
+    assert s[("omni_trio_tick_seconds_bucket", (("le", "0.025"), r0))] == 4
+    assert s[("omni_trio_tick_seconds_count", (r0,))] == 4
+    assert s[("omni_trio_tick_seconds_sum", (r0,))] == 0.032
+
+
+async def test_a_step_mode_server_times_admissions_and_ticks() -> None:
+    """A real step-mode server: a generation, an edit and a job each observe their
+    admission under their route; the engine's ticks show up per replica."""
+    import trio
+
+    from .conftest import CAP_S, run_server, wait_until
+    from .test_edits import png
+
+    body = {"prompt": "p", "size": "64x64", "num_inference_steps": 3}
+    with trio.fail_after(CAP_S):
+        async with run_server(step_execution=True) as server, server.client() as client:
+            assert (await client.post("/v1/images/generations", json=body)).status_code == 200
+            edit = await client.post(
+                "/v1/images/edits",
+                files={"image": ("in.png", png(32, 32), "image/png")},
+                data={"prompt": "p", "num_inference_steps": "3"},
+            )
+            assert edit.status_code == 200, edit.text
+            job = await client.post("/v1/jobs", json=body)
+            assert job.status_code == 202, job.text
+            await wait_until(lambda: server.engine().statistics().finished_completed == 3)
+            s = samples(server.metrics)
+    for route in ("/v1/images/generations", "/v1/images/edits", "/v1/jobs"):
+        assert s[("omni_trio_admission_seconds_count", (("route", route),))] == 1, route
+        assert s[("omni_trio_admission_seconds_sum", (("route", route),))] > 0
+    # A tick per step: 3 steps each (an edit's strength runs fewer), batched or not.
+    assert 3 <= s[("omni_trio_tick_seconds_count", (("replica", "0"),))] <= 9
+    assert s[("omni_trio_tick_seconds_sum", (("replica", "0"),))] > 0
+
+
 async def test_a_cancelled_generation_counts_its_wasted_steps_and_cancel_latency() -> None:
     """A real server: a long generation cancelled mid-run shows up as wasted steps and one
     cancel latency; the completed one before it as a wave of one."""
@@ -263,3 +316,18 @@ async def test_every_dashboard_query_names_a_metric_the_server_exports() -> None
         names = set(re.findall(r"\bomni_trio_[a-z_]+", query))
         assert names, query
         assert names <= exported, (query, sorted(names - exported))
+
+
+def test_sleep_state_level_and_sleeps_per_replica() -> None:
+    stats = {"waiting": 1, "running": 0, "sleep_state": "asleep", "sleep_level": 2, "sleeps": 3}
+    pool = FakePool([replica(0, "sleeping", statistics=stats)], in_flight=1, draining=False)
+    s = samples(ServeMetrics(cast(EnginePool, pool)))
+    states = {
+        state: s[("omni_trio_sleep_state", (("replica", "0"), ("state", state)))]
+        for state in ("awake", "falling_asleep", "asleep", "waking")
+    }
+    assert states == {"awake": 0, "falling_asleep": 0, "asleep": 1, "waking": 0}
+    assert s[("omni_trio_sleep_level", (("replica", "0"),))] == 2
+    assert s[("omni_trio_sleeps_total", (("replica", "0"),))] == 3
+    # Sleeping is alive and not ready: 1, as a restart (0 is dead or failed).
+    assert s[("omni_trio_engine_state", (("replica", "0"),))] == 1

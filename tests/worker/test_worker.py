@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,3 +280,24 @@ def test_a_forwards_stop_flags_are_forgotten_when_it_ends(worker: Worker) -> Non
     out = worker.execute_scheduler_output(wave(request("a"), request("b")))
     assert {o.request_id for o in out if o.aborted} == {"a", "b"}
     assert worker.leftovers()["stop_flags"] == set()
+
+
+def test_profile_rpcs_trace_the_forwards_and_shutdown_writes_nothing(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """start_profile / stop_profile through the RPC surface (omni_trio.worker.profiler): the
+    trace names each forward's span and its rank; a profile still running at shutdown is
+    ended without a trace."""
+    planned = worker.execute_method("start_profile", str(tmp_path), "w")
+    worker.execute_scheduler_output(wave(request("traced")))
+    path = worker.execute_method("stop_profile")
+    assert path == planned == str(tmp_path / "w-rank0.json")
+    with open(path, encoding="utf-8") as trace:
+        names = {event.get("name") for event in json.load(trace)["traceEvents"]}
+    assert "omni_trio.forward" in names
+    with pytest.raises(RuntimeError, match="not profiling"):
+        worker.execute_method("stop_profile")
+    worker.execute_method("start_profile", str(tmp_path), "left")
+    worker.shutdown()
+    assert not worker.profiler.active and not (tmp_path / "left-rank0.json").exists()
+    assert worker.execute_method("discard_profile") is False

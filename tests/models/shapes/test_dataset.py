@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import colorsys
+import dataclasses
 import math
 
 import numpy as np
@@ -13,14 +14,17 @@ from omni_trio.models.shapes import (
     IMAGE_SIZE,
     SHAPES,
     SIZES,
+    STYLES,
     Scene,
     article,
     caption,
     make_batch,
+    outline_mask,
     render_scene,
     sample_scene,
     shape_mask,
 )
+from omni_trio.models.shapes._dataset import OUTLINE_WIDTH, outline_width
 
 
 def _scenes(seed: int, n: int) -> list[Scene]:
@@ -117,3 +121,39 @@ def test_fixed_attributes_and_unknown_names() -> None:
             sample_scene(rng, **bad)
     with pytest.raises(ValueError, match="unknown shape"):
         shape_mask("hexagon", 1, 1, 1)
+
+
+def test_an_outline_is_the_border_of_the_filled_shape_in_its_colour() -> None:
+    for scene in _scenes(5, 90):
+        outlined = dataclasses.replace(scene, style="outline")
+        image = render_scene(outlined)
+        filled = shape_mask(scene.shape, scene.cx, scene.cy, scene.radius)
+        border = outline_mask(scene.shape, scene.cx, scene.cy, scene.radius)
+        assert np.all(border <= filled + 1e-6)  # inside the shape: the same extent
+        assert np.allclose(image[filled == 0.0], 1.0)
+        ring = image[border == 1.0]
+        assert len(ring) >= 8
+        assert np.allclose(ring, np.asarray(scene.rgb) / 255.0, atol=1e-6)
+        # The inside is the background: some pixels of even a small triangle are left white.
+        hollow = (filled == 1.0) & (border == 0.0)
+        assert hollow.sum() >= 3, scene
+        assert np.allclose(image[hollow], 1.0)
+        width = outline_width(scene.shape, scene.radius)
+        assert 1.0 <= width <= OUTLINE_WIDTH
+
+
+def test_the_style_changes_pixels_only() -> None:
+    rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
+    filled_images, filled_captions, filled_scenes = make_batch(rng_a, 24)
+    outline_images, outline_captions, outline_scenes = make_batch(rng_b, 24, style="outline")
+    assert outline_captions == filled_captions  # no style word: the adapter alone draws it
+    assert [dataclasses.replace(s, style="filled") for s in outline_scenes] == filled_scenes
+    assert {s.style for s in filled_scenes} == {"filled"}
+    assert {s.style for s in outline_scenes} == {"outline"}
+    assert (outline_images >= filled_images - 1e-6).all()  # an outline only removes ink
+    assert not np.array_equal(outline_images, filled_images)
+    assert STYLES == ("filled", "outline")
+    with pytest.raises(ValueError, match="unknown style"):
+        make_batch(np.random.default_rng(0), 1, style="dotted")
+    with pytest.raises(ValueError, match="unknown shape"):
+        outline_width("hexagon", 5.0)
