@@ -429,6 +429,18 @@ def register_models(
         return instance
 
     monkeypatch.setattr(omni_trio.models, "load_model", load_model)
+
+    # The early check (command line, daemon) knows the registered names as this loader does:
+    # "fake:x" would otherwise be read as a model factory in a module "fake".
+    import omni_trio.models.loading as loading
+
+    real_check = loading.check_model_early
+
+    def check_model_early(model: str, backend: object) -> None:
+        if model not in factories:
+            real_check(model, backend)
+
+    monkeypatch.setattr(loading, "check_model_early", check_model_early)
     return loaded
 
 
