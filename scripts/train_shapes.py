@@ -160,6 +160,35 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def optimise(
+    step: int,
+    loss: Any,
+    optimiser: Any,
+    params: list[Any],
+    ema_params: list[Any],
+    args: argparse.Namespace,
+    losses: list[float],
+    bar: Any,
+) -> None:
+    """One optimiser step on ``loss`` (scheduled learning rate, gradient clipping at 1.0),
+    the exponential moving average of ``params`` into ``ema_params``, and the loss logged.
+    Shared with ``scripts/train_shapes_lora.py``."""
+    import torch
+
+    for group in optimiser.param_groups:
+        group["lr"] = learning_rate(step, args)
+    optimiser.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimiser.step()
+    decay = min(args.ema, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1 - decay)
+    losses.append(float(loss.detach()))
+    if step % 10 == 0:
+        bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+
+
 def write_loss_png(losses: list[float], path: Path, width: int = 640, height: int = 360) -> None:
     """Plot the raw loss (light) and its running mean (dark) on a log axis, with PIL."""
     from PIL import Image, ImageDraw
@@ -357,18 +386,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             embeds = text_encoder(ids)[0]  # what encode_prompt computes
             pred = unet(noisy, t, encoder_hidden_states=embeds).sample
             loss = torch.nn.functional.mse_loss(pred, target)
-            for group in optimiser.param_groups:
-                group["lr"] = learning_rate(step, args)
-            optimiser.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimiser.step()
-            decay = min(args.ema, (1 + step) / (10 + step))
-            with torch.no_grad():
-                torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1 - decay)
-            losses.append(float(loss.detach()))
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+            optimise(step, loss, optimiser, params, ema_params, args, losses, bar)
         bar.close()
         pipe.unet = ema_unet
         pipe.text_encoder = ema_text

@@ -31,9 +31,7 @@ the same thread count).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -44,6 +42,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# The base model's script, beside this one: its learning-rate schedule and optimiser step.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_shapes import _sha256, optimise  # noqa: E402
+from train_shapes import learning_rate as learning_rate  # noqa: E402 (the tests read it here)
+
 DEFAULT_BASE = REPO / "omni_trio" / "models" / "shapes" / "pipeline"
 DEFAULT_OUT = REPO / "omni_trio" / "models" / "shapes" / "loras" / "outline"
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -77,14 +80,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup to ``args.lr``, then a cosine decay to a tenth of it."""
-    if step < args.warmup:
-        return float(args.lr * (step + 1) / args.warmup)
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return float(args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))))
-
-
 def command_line(args: argparse.Namespace) -> str:
     """The command ``training.json`` records: every option but the paths and --no-progress."""
     return "scripts/train_shapes_lora.py " + " ".join(
@@ -92,10 +87,6 @@ def command_line(args: argparse.Namespace) -> str:
         for k, v in sorted(vars(args).items())
         if k not in ("base", "out", "no_progress")
     )
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def describe_base(directory: Path) -> dict[str, Any]:
@@ -181,18 +172,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             embeds = text_encoder(ids)[0]  # what encode_prompt computes
         pred = unet(noisy, t, encoder_hidden_states=embeds).sample
         loss = torch.nn.functional.mse_loss(pred, target)
-        for group in optimiser.param_groups:
-            group["lr"] = learning_rate(step, args)
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimiser.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1 - decay)
-        losses.append(float(loss.detach()))
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+        optimise(step, loss, optimiser, params, ema_params, args, losses, bar)
     bar.close()
     with torch.no_grad():
         for p, e in zip(params, ema_params, strict=True):
