@@ -631,13 +631,17 @@ class AsyncEngine:
         rank's report (``rank``, ``restored_bytes``, ``rss_bytes``), ``[]`` when awake.
 
         Raises what a worker raised (e.g. a :class:`WorkerError` when a level-2 reload
-        failed): the engine then stays asleep and ``wake_up`` may be tried again.  Once the
-        workers were asked, cancelling waits for their answer."""
+        failed): the engine then stays asleep and ``wake_up`` may be tried again.  If the
+        worker group fails meanwhile (a worker died before or while it answered), the wake
+        is done all the same and returns ``[]``: the group that replaces it loads its
+        weights when it starts, and is not put to sleep again.  Once the workers were
+        asked, cancelling waits for their answer."""
         core = self.core
         async with self._sleep_lock:
             core.check_open()
             if not core.begin_wake(trio.current_time()):
                 return []
+            executor, generation = self._executor, core.generation
             try:
                 with trio.CancelScope(shield=True):
                     reports: list[dict[str, Any]] = await self._rpcs.call(
@@ -647,6 +651,14 @@ class AsyncEngine:
                         timeout=self.config.rpc_timeout_s,
                         unique_reply_rank=None,
                     )
+            except Exception as exc:
+                if not (core.accepting and self._group_lost_since(executor, generation)):
+                    core.wake_failed(trio.current_time(), f"{type(exc).__name__}: {exc}")
+                    raise
+                log.warning(
+                    "the worker group failed while waking up (%s): its successor starts awake", exc
+                )
+                reports = []
             except BaseException as exc:
                 core.wake_failed(trio.current_time(), f"{type(exc).__name__}: {exc}")
                 raise
@@ -655,6 +667,18 @@ class AsyncEngine:
             self._changed = _pulse(self._changed)
             self._wake.set()
             return reports
+
+    def _group_lost_since(self, executor: Executor | None, generation: int) -> bool:
+        """The group that was current (``executor``, core ``generation``) has failed: a
+        restart is under way or done."""
+        self._observe_group()
+        return (
+            executor is None
+            or executor.is_dead
+            or self._executor is not executor
+            or self.core.generation != generation
+            or self.core.group is not GroupState.RUNNING
+        )
 
     @property
     def is_sleeping(self) -> bool:

@@ -32,6 +32,7 @@ from omni_trio import (
 from omni_trio._core.health import EngineState, SleepState
 from omni_trio._core.trace import TraceKind, TraceRecorder
 from omni_trio.models.offload import SLEEP_DIR_PREFIX
+from omni_trio.worker.faults import WorkerFatalError
 from tests.fakes import GatedEchoModel, StepGate, register_models
 
 CAP_S = 60.0
@@ -329,3 +330,48 @@ async def test_a_failed_deeper_sleep_leaves_the_engine_and_its_workers_asleep(
             await engine.wake_up()
             assert _NoDeepSleep.level == 0
             assert (await engine.generate("p", params(seed=2))).ok
+
+
+class _DiesOnWake(GatedEchoModel):
+    """A FAKE echo model whose first wake breaks its worker (a device fault while the
+    weights come back): the group fails closed and is replaced."""
+
+    wakes = 0
+
+    def sleep(self, level: int, directory: str | None = None) -> int:
+        return 1
+
+    def wake_up(self) -> int:
+        _DiesOnWake.wakes += 1
+        if _DiesOnWake.wakes == 1:
+            raise WorkerFatalError("device lost while the weights came back")
+        return 1
+
+
+async def test_a_group_that_dies_while_waking_is_replaced_awake_and_the_queue_runs(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
+    gate = StepGate()
+    gate.open()
+    _DiesOnWake.wakes = 0
+    register_models(monkeypatch, {"fake:dies-on-wake": lambda options: _DiesOnWake(gate)})
+    config = EngineConfig(
+        model="fake:dies-on-wake",
+        cache_dir=str(cache_dir),
+        torch_threads=1,
+        warmup=False,
+        worker_restart_backoff_s=0.0,
+    )
+    with trio.fail_after(CAP_S):
+        async with open_engine(config) as engine:
+            await engine.sleep(1)
+            waiting = engine.stream("p", params(), request_id="waiting")
+            # The wake's worker breaks: the wake is done all the same (the new group
+            # loads its weights when it starts and is not put to sleep again).
+            assert await engine.wake_up() == []
+            assert engine.statistics().sleep_state is SleepState.AWAKE
+            async with waiting:
+                outputs = [o async for o in waiting]
+            assert outputs[-1].finished and outputs[-1].ok
+            assert engine.core.generation == 2
+            assert _DiesOnWake.wakes == 1  # nothing asked the new group to wake
