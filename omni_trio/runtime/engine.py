@@ -22,8 +22,8 @@ import math
 import os
 import secrets
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Literal, overload
 
 import trio
 from trio_typing import TaskStatus
@@ -44,6 +44,7 @@ from .._core.health import EngineStatistics as EngineStatistics
 from .._core.health import PhaseSummary as PhaseSummary
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput, RunnerOutput, SchedulerOutput
+from .._core.model_info import ModelInfo
 from .._core.request import DiffusionRequest, SamplingParams
 from .._core.scheduler import Scheduler
 from .._core.trace import TraceKind, TraceRecorder
@@ -51,6 +52,7 @@ from ..config import EngineConfig
 from ..errors import (
     EngineClosedError,
     EngineDeadError,
+    InvalidConfigError,
     InvalidRequestError,
     PayloadError,
     StallError,
@@ -63,6 +65,7 @@ from .pictures import canonical_pictures
 from .profiling import EngineProfile
 from .request_stream import OutputStreams, RequestStream
 from .rpc_queue import RpcQueue
+from .stage import STAGES, StageEngine, open_stage_engine
 from .worker_group import GroupEvents, WorkerGroup
 
 __all__ = [
@@ -486,6 +489,11 @@ class AsyncEngine:
         )
 
     @property
+    def model_info(self) -> ModelInfo | None:
+        """What the worker group reported about its model; None before it first started."""
+        return self.core.model_info
+
+    @property
     def profiling(self) -> bool:
         """Between :meth:`start_profile` and :meth:`stop_profile`."""
         return self._profile.active
@@ -868,13 +876,43 @@ async def _warmup(engine: AsyncEngine) -> None:
         engine._warming = False
 
 
-@asynccontextmanager
-async def open_engine(
+@overload
+def open_engine(
     config: EngineConfig | None = None,
     *,
     trace: TraceRecorder | None = None,
+    stage: Literal["inline"] = "inline",
     **overrides: Any,
-) -> AsyncIterator[AsyncEngine]:
+) -> AbstractAsyncContextManager[AsyncEngine]: ...
+
+
+@overload
+def open_engine(
+    config: EngineConfig | None = None,
+    *,
+    trace: TraceRecorder | None = None,
+    stage: Literal["process"],
+    **overrides: Any,
+) -> AbstractAsyncContextManager[StageEngine]: ...
+
+
+@overload
+def open_engine(
+    config: EngineConfig | None = None,
+    *,
+    trace: TraceRecorder | None = None,
+    stage: str,
+    **overrides: Any,
+) -> AbstractAsyncContextManager[AsyncEngine | StageEngine]: ...
+
+
+def open_engine(
+    config: EngineConfig | None = None,
+    *,
+    trace: TraceRecorder | None = None,
+    stage: str = "inline",
+    **overrides: Any,
+) -> AbstractAsyncContextManager[AsyncEngine | StageEngine]:
     """Start an engine (supervised worker group, model, busy loop, warmup) and yield it when
     ready.
 
@@ -883,10 +921,31 @@ async def open_engine(
     reason closes the engine and cleans up everything (INV-3).  A worker group that cannot
     start raises its error; a warmup failure closes the engine and raises ``RuntimeError``
     from the original error.
+
+    ``stage="process"`` runs the whole engine in a child process and yields a
+    :class:`~omni_trio.runtime.stage.StageEngine` with the same API (see
+    :mod:`omni_trio.runtime.stage`); it records no trace here (``trace`` must be None).
     """
     config = (
         (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
     )
+    if stage == "inline":
+        return _open_inline_engine(config, trace)
+    if stage != "process":
+        raise InvalidConfigError(
+            f"stage must be one of {', '.join(STAGES)}, got {stage!r}", field="stage"
+        )
+    if trace is not None:
+        raise InvalidConfigError(
+            "a process-backed stage records no trace in the caller", field="stage"
+        )
+    return open_stage_engine(config)
+
+
+@asynccontextmanager
+async def _open_inline_engine(
+    config: EngineConfig, trace: TraceRecorder | None
+) -> AsyncIterator[AsyncEngine]:
     async with trio.open_nursery() as nursery:
         engine = AsyncEngine(config, trace=trace)
         try:

@@ -40,6 +40,7 @@ class RequestStream:
         self._on_consumer_gone: Callable[[str], None] | None = on_consumer_gone
         self._on_dropped = on_dropped
         self._done = False
+        self._error: BaseException | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -54,6 +55,9 @@ class RequestStream:
             # The engine closed the stream without a terminal output: it never does this
             # except when its own task is torn down; treat it as the end.
             self._finish(consumer_gone=False)
+            error, self._error = self._error, None
+            if error is not None:
+                raise error from None
             raise StopAsyncIteration from None
         except BaseException:
             self._finish(consumer_gone=True)
@@ -61,6 +65,11 @@ class RequestStream:
         if output.finished:
             self._finish(consumer_gone=False)
         return output
+
+    def fail_with(self, error: BaseException) -> None:
+        """End the stream by raising ``error`` on the read after the last chunk (its
+        request was refused where it was admitted: a process-backed stage's engine)."""
+        self._error = error
 
     def _finish(self, *, consumer_gone: bool, dropped: bool = False) -> None:
         if self._done:

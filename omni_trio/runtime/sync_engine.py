@@ -25,6 +25,7 @@ from ..config import EngineConfig
 from ..errors import EngineClosedError
 from .engine import AsyncEngine, EngineHealth, EngineStatistics, open_engine
 from .request_stream import RequestStream
+from .stage import StageEngine
 
 __all__ = ["Engine", "SyncRequestStream"]
 
@@ -109,15 +110,20 @@ class Engine:
     """Synchronous engine: ``with Engine(config) as engine: engine.generate("a cat")``.
 
     Construction blocks until the engine is ready (model loaded, warmup done) and raises
-    what ``open_engine`` raised.  Every method is thread-safe, blocks until the engine's
-    thread has answered, and raises what the :class:`AsyncEngine` method raises; after
-    :meth:`close`, every method but :meth:`health` raises :class:`EngineClosedError`.
+    what ``open_engine`` raised.  ``stage="process"`` runs the engine in a child process
+    (see :mod:`omni_trio.runtime.stage`); the methods are the same.  Every method is
+    thread-safe, blocks until the engine's thread has answered, and raises what the
+    :class:`AsyncEngine` method raises; after :meth:`close`, every method but
+    :meth:`health` raises :class:`EngineClosedError`.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, stage: str = "inline", **overrides: Any
+    ) -> None:
         self.config = (config or EngineConfig()).replace(**overrides)
+        self.stage = stage
         self._ready = threading.Event()
-        self._engine: AsyncEngine | None = None
+        self._engine: AsyncEngine | StageEngine | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._error: BaseException | None = None
@@ -142,14 +148,14 @@ class Engine:
 
     async def _serve(self) -> None:
         self._stop = trio.Event()
-        async with open_engine(self.config) as engine:
+        async with open_engine(self.config, stage=self.stage) as engine:
             self._engine = engine
             self._token = trio.lowlevel.current_trio_token()
             self._ready.set()
             await self._stop.wait()
         self._final_health = engine.health()
 
-    def _target(self) -> tuple[AsyncEngine, trio.lowlevel.TrioToken]:
+    def _target(self) -> tuple[AsyncEngine | StageEngine, trio.lowlevel.TrioToken]:
         if self._closed or self._engine is None or self._token is None:
             raise EngineClosedError("engine is closed")
         return self._engine, self._token

@@ -162,6 +162,10 @@ class ServeConfig:
     public_url: str | None = None
     model_name: str | None = None  # the name /v1/models lists; default engine.model
     replicas: int = 1
+    # Where each replica's engine runs: "inline" (this process) or "process" (a stage
+    # process per replica, omni_trio.runtime.stage); None: inline, but process for several
+    # tractor replicas (one tractor runtime per process).
+    stage: str | None = None
     # SIGTERM/SIGINT: stop admitting, wait this long for in-flight requests, abort the rest.
     drain_timeout_s: float = 30.0
     max_queue_len: int = 64  # requests in flight (queued + running), all replicas; then 429
@@ -238,6 +242,10 @@ class ServeConfig:
                 "model_name must be a non-empty string or unset", field="model_name"
             )
         _check_int("replicas", self.replicas, minimum=1)
+        if self.stage is not None and self.stage not in ("inline", "process"):
+            raise InvalidConfigError(
+                f"stage must be inline or process, got {self.stage!r}", field="stage"
+            )
         _check_float("drain_timeout_s", self.drain_timeout_s)
         _check_int("max_queue_len", self.max_queue_len, minimum=1)
         if self.max_queue_wait_s is not None:
@@ -634,6 +642,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--replicas", ("replicas",), "independent engines behind the router", type=int, metavar="K"
+    ),
+    Flag(
+        "--stage",
+        ("stage",),
+        "where each replica's engine runs: inline (this process) or process (a child process "
+        "per replica; the default for --replicas K > 1 with --backend tractor)",
+        choices=("inline", "process"),
     ),
     Flag(
         "--max-num-seqs",

@@ -54,13 +54,13 @@ import trio
 from trio_typing import TaskStatus
 
 from ..errors import InvalidConfigError
+from ..runtime.stage import engine_close_bound_s
 from .config import ServeConfig, add_serve_arguments
 from .notify import SystemdNotifier, serve_watchdog, watchdog_interval
 
 if TYPE_CHECKING:
     from hypercorn.config import Config as HypercornConfig
 
-    from ..config import EngineConfig
     from .app import ImagesApp
     from .http import HttpLimits
     from .pool import EnginePool
@@ -231,43 +231,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(first).__name__}: {first}"
 
 
-def engine_close_bound_s(engine: EngineConfig) -> float:
-    """The longest one engine's close may take (the replicas close at the same time), from
-    every wait it makes, for ``engine.backend``:
-
-    - ``inproc`` -- ``3 * close_timeout_s``: the worker thread's shutdown (queued behind the
-      forward in flight, which stops at its next step) is awaited for ``close_timeout_s``,
-      the thread is then joined for as long, and the engine loop's own wait for that forward
-      (its stall bound) is as long again;
-    - ``tractor`` and ``ray`` -- ``close_timeout_s`` for the workers to stop when asked, then
-      :data:`~omni_trio.executors.group.TERMINATE_WAIT_S` after a terminate,
-      :data:`~omni_trio.executors.group.KILL_WAIT_S` after a kill, and as long again for the
-      transport to reap its processes or actors;
-    - any other backend: the larger of the two.
-
-    A forward in flight stops at its next step boundary; with the compute budget
-    (``max_step_s``, 10 s by default, after a warmup) that is well within
-    ``close_timeout_s``.  A longer step is cut off by these same waits (the close gives up
-    on it), so it never extends the bound."""
-    from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
-
-    close = engine.close_timeout_s
-    inproc = 3 * close
-    group = close + TERMINATE_WAIT_S + 2 * KILL_WAIT_S
-    backend = engine.backend
-    if backend == "inproc":
-        return inproc
-    if backend in ("tractor", "ray"):
-        return group
-    return max(inproc, group)
-
-
 def shutdown_bound_s(config: ServeConfig) -> float:
     """The longest a shutdown may take from its signal: ``drain_timeout_s``, then
     :func:`engine_close_bound_s`, then :data:`SHUTDOWN_GRACE_S` (:data:`ABORT_GRACE_S` for
     the aborted requests' answers, :data:`GRACEFUL_TIMEOUT_S` for the HTTP server's stop,
     :data:`EXIT_MARGIN_S` for the exit).  Past it the :class:`ExitDeadline` fires."""
-    return config.drain_timeout_s + engine_close_bound_s(config.engine) + SHUTDOWN_GRACE_S
+    from .pool import resolve_stage
+
+    stage = resolve_stage(config.stage, config.replicas, config.engine.backend)
+    return config.drain_timeout_s + engine_close_bound_s(config.engine, stage) + SHUTDOWN_GRACE_S
 
 
 def _parents() -> dict[int, int]:
@@ -539,6 +511,7 @@ class _Daemon:
             pool = EnginePool(
                 c.engine,
                 replicas=c.replicas,
+                stage=c.stage,
                 max_queue_len=c.max_queue_len,
                 max_queue_wait_s=c.max_queue_wait_s,
                 restart_wait_s=c.restart_wait_s,

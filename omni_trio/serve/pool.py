@@ -36,9 +36,13 @@ Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
     DrainingError     the pool stopped admitting (shutdown drain) (HTTP 503)
     NotReadyError     no replica is open and healthy right now (HTTP 503)
 
-Multiple replicas need the ``inproc`` or ``ray`` backend: tractor 0.1.0a5 allows one tractor runtime
-(hence one tractor engine) per process, so ``replicas > 1`` with ``backend="tractor"`` is
-refused with :class:`~omni_trio.errors.InvalidConfigError`; run several daemons instead.
+Where a replica's engine runs (``stage``): ``"inline"`` in this process, or ``"process"``, each
+replica's whole engine in a stage process of its own (:mod:`omni_trio.runtime.stage`): a
+replica's crash, even in native code, never touches the others or the HTTP loop, and no forward
+shares this process's GIL.  The default (None) is inline, except for ``replicas > 1`` on the
+``tractor`` backend: tractor 0.1.0a5 allows one tractor runtime (hence one tractor engine) per
+process, so those replicas run as stage processes (an explicit ``stage="inline"`` is refused
+with :class:`~omni_trio.errors.InvalidConfigError`).  A stage replica records no trace.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from ..errors import (
 from ..executors.base import resolve_executor_class
 from ..runtime.engine import AsyncEngine, open_engine
 from ..runtime.request_stream import RequestStream
+from ..runtime.stage import STAGES, StageEngine
 from ..supervisor import ChildSpec, ChildState, RestartPolicy, Strategy, Supervisor, SupervisorEvent
 
 log = logging.getLogger(__name__)
@@ -91,6 +96,9 @@ __all__ = [
     "engine_request_id",
     "new_request_id",
 ]
+
+# A replica's engine: in this process, or in a stage process of its own.
+AnyEngine = AsyncEngine | StageEngine
 
 FINISHED_IDS_KEPT = 10_000
 # The service rate is measured over the last completions: at most this many, this recent.
@@ -234,8 +242,12 @@ class PooledStream:
         *,
         public_id: str | None = None,
         owner: str = "",
+        move: Callable[[PooledStream], RequestStream | None] | None = None,
     ) -> None:
         self._inner = inner
+        self._move = move
+        self._started = False  # a chunk reached the consumer: it can no longer move
+        self.moves = 0  # times it moved to another replica after its own died
         self.replica = replica
         self.owner = owner
         self.public_id = inner.request_id if public_id is None else public_id
@@ -265,16 +277,33 @@ class PooledStream:
         return self
 
     async def __anext__(self) -> DiffusionOutput:
-        """The next chunk; if cancelled, the request is aborted and its slot released."""
-        try:
-            output = await self._inner.__anext__()
-        except BaseException:
-            self._release()
-            raise
-        if output.finished:
-            self.completed = output.ok
-            self._release()
-        return output
+        """The next chunk; if cancelled, the request is aborted and its slot released.  A
+        request whose replica's engine died before any chunk reached the consumer moves to
+        another ready replica (same id, same seed) when the pool has one, instead of ending
+        with the dead engine's error."""
+        while True:
+            try:
+                output = await self._inner.__anext__()
+            except BaseException:
+                self._release()
+                raise
+            if (
+                output.finished
+                and output.error_type == "EngineDeadError"
+                and not self._started
+                and self.abort_reason is None
+                and self._move is not None
+            ):
+                moved = self._move(self)
+                if moved is not None:
+                    self._inner = moved
+                    self.moves += 1
+                    continue
+            self._started = True
+            if output.finished:
+                self.completed = output.ok
+                self._release()
+            return output
 
     async def aclose(self) -> None:
         """Stop consuming: aborts the request if it has not ended; releases its slot."""
@@ -313,7 +342,7 @@ class _Replica:
     counts the pool's streams routed to it and not yet released (the router's load)."""
 
     index: int
-    engine: AsyncEngine | None = None
+    engine: AnyEngine | None = None
     in_flight: int = 0
     # Worker-group restarts of the engines this replica already closed (the current engine
     # counts its own); their sum is monotonic, for a Prometheus counter.
@@ -335,13 +364,13 @@ class _StartedAs:
 
 
 async def _each(
-    engines: list[tuple[int, AsyncEngine]], call: Callable[[AsyncEngine], Awaitable[Any]]
+    engines: list[tuple[int, AnyEngine]], call: Callable[[AnyEngine], Awaitable[Any]]
 ) -> tuple[dict[int, Any], list[Exception]]:
     """``call`` every engine at once: the results by replica index, and the errors."""
     results: dict[int, Any] = {}
     errors: list[Exception] = []
 
-    async def one(index: int, engine: AsyncEngine) -> None:
+    async def one(index: int, engine: AnyEngine) -> None:
         try:
             results[index] = await call(engine)
         except Exception as exc:
@@ -360,6 +389,27 @@ def _refuses_replicas(backend: Any) -> bool:
         return resolve_executor_class(backend).one_per_process
     except InvalidConfigError:
         return False
+
+
+def resolve_stage(stage: str | None, replicas: int, backend: Any) -> str:
+    """Where the replicas' engines run: ``stage`` when given, else ``"process"`` for
+    several replicas of a one-per-process backend (tractor) and ``"inline"`` otherwise.
+    Raises :class:`InvalidConfigError` for an unknown stage, or ``"inline"`` replicas a
+    backend cannot have in one process."""
+    if stage is not None and stage not in STAGES:
+        raise InvalidConfigError(
+            f"stage must be one of {', '.join(STAGES)}, got {stage!r}", field="stage"
+        )
+    one_per_process = replicas > 1 and _refuses_replicas(backend)
+    if stage is None:
+        return "process" if one_per_process else "inline"
+    if stage == "inline" and one_per_process:
+        raise InvalidConfigError(
+            "replicas > 1 on the tractor backend need stage processes: tractor allows only "
+            "one tractor engine per process; leave stage unset or use stage='process'",
+            field="replicas",
+        )
+    return stage
 
 
 class EnginePool:
@@ -386,6 +436,7 @@ class EnginePool:
         restart_wait_s: float | None = DEFAULT_RESTART_WAIT_S,
         restart_policy: RestartPolicy | None = None,
         trace_factory: Callable[[int], TraceRecorder | None] | None = None,
+        stage: str | None = None,
     ) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise InvalidConfigError(
@@ -401,12 +452,7 @@ class EnginePool:
                 f"max_queue_len must be a positive integer, got {max_queue_len!r}",
                 field="max_queue_len",
             )
-        if replicas > 1 and _refuses_replicas(engine_config.backend):
-            raise InvalidConfigError(
-                "replicas > 1 needs the inproc or ray backend: tractor allows only one tractor "
-                "engine per process; use inproc or ray replicas, or run several daemons",
-                field="replicas",
-            )
+        self.stage = resolve_stage(stage, replicas, engine_config.backend)
         if max_queue_wait_s is not None and (
             isinstance(max_queue_wait_s, bool)
             or not isinstance(max_queue_wait_s, int | float)
@@ -506,10 +552,14 @@ class EnginePool:
         """The supervised child: one open engine.  Returns never; raises
         :class:`EngineDeadError` when the engine died so the supervisor reopens this replica
         alone.  Cancellation closes the engine (bounded, shielded by the engine)."""
-        trace = self._trace_factory(replica.index) if self._trace_factory is not None else None
+        trace = (
+            self._trace_factory(replica.index)
+            if self._trace_factory is not None and self.stage == "inline"
+            else None
+        )
         replica.opening_since = began = trio.current_time()
         try:
-            async with open_engine(self.engine_config, trace=trace) as engine:
+            async with open_engine(self.engine_config, trace=trace, stage=self.stage) as engine:
                 replica.opening_since = None
                 self._open_time.record(trio.current_time() - began)
                 replica.engine = engine
@@ -529,10 +579,10 @@ class EnginePool:
 
     # -- sleep and wake --------------------------------------------------------------------
 
-    def _open_engines(self) -> list[tuple[int, AsyncEngine]]:
+    def _open_engines(self) -> list[tuple[int, AnyEngine]]:
         return [(r.index, r.engine) for r in self._replicas if r.engine is not None]
 
-    async def _sleep_replica(self, index: int, engine: AsyncEngine) -> None:
+    async def _sleep_replica(self, index: int, engine: AnyEngine) -> None:
         """A replica opened while the pool sleeps (or falls asleep): put it to sleep too
         (logged on failure).  Under the sleep lock, so a sleep or wake of the pool under
         way finishes first and the level read is the pool's after it."""
@@ -692,7 +742,14 @@ class EnginePool:
         assert replica.engine is not None
         restarting = replica.engine.health().state is EngineState.RESTARTING
         inner = replica.engine.stream(prompt, params, request_id=rid)
-        stream = PooledStream(inner, replica.index, self._release, public_id=public, owner=owner)
+        stream = PooledStream(
+            inner,
+            replica.index,
+            self._release,
+            public_id=public,
+            owner=owner,
+            move=partial(self._move_elsewhere, prompt, params.replace(seed=inner.seed)),
+        )
         self._active[rid] = stream
         wait = self.restart_wait_s
         if (
@@ -798,6 +855,41 @@ class EnginePool:
             raise QueueWaitError(
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
+
+    def _move_elsewhere(
+        self, prompt: str, params: SamplingParams, stream: PooledStream
+    ) -> RequestStream | None:
+        """``stream``'s replica died under it: admit it again (same engine id, same seed) on
+        the least-loaded other ready replica; None when there is none (it then ends with
+        the dead engine's error) or the pool no longer admits."""
+        if self._dead is not None or self._draining:
+            return None
+        rid = stream.engine_request_id
+        if self._active.get(rid) is not stream:
+            return None
+        others = [
+            r
+            for r in self._ready_replicas()
+            if r.index != stream.replica and r.engine is not None and not r.engine.is_dead
+        ]
+        if not others:
+            return None
+        replica = min(others, key=lambda r: (r.in_flight, r.index))
+        assert replica.engine is not None
+        try:
+            inner = replica.engine.stream(prompt, params, request_id=rid)
+        except OmniTrioError:
+            return None
+        log.warning(
+            "request %s: replica %d died under it; moved to replica %d",
+            stream.public_id,
+            stream.replica,
+            replica.index,
+        )
+        self._replicas[stream.replica].in_flight -= 1
+        replica.in_flight += 1
+        stream.replica = replica.index
+        return inner
 
     def _release(self, stream: PooledStream) -> None:
         rid = stream.engine_request_id
@@ -910,7 +1002,7 @@ class EnginePool:
             if engine is None:
                 continue
             try:
-                info = engine.executor.model_info
+                info = engine.model_info
             except EngineClosedError:  # no worker group yet
                 continue
             if info is not None:
@@ -923,7 +1015,7 @@ class EnginePool:
         info = self.model_info()
         return None if info is None else (info.default_width, info.default_height)
 
-    def replica_engine(self, index: int) -> AsyncEngine | None:
+    def replica_engine(self, index: int) -> AnyEngine | None:
         """Replica ``index``'s engine while it is open (for diagnostics and tests)."""
         return self._replicas[index].engine
 

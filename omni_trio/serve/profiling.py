@@ -37,6 +37,7 @@ import trio
 from ..errors import EngineClosedError, EngineDeadError, OmniTrioError
 from ..runtime.engine import AsyncEngine
 from ..runtime.profiling import default_prefix
+from ..runtime.stage import StageEngine
 from .images import ApiError
 from .pool import EnginePool
 
@@ -65,7 +66,7 @@ def _failed(message: str) -> ApiError:
     )
 
 
-def runs_here(engine: AsyncEngine) -> bool:
+def runs_here(engine: AsyncEngine | StageEngine) -> bool:
     """Some worker of ``engine`` runs in this process (the ``inproc`` backend)."""
     here = os.getpid()
     return any(worker.pid == here for worker in engine.health().workers)
@@ -81,7 +82,7 @@ class ProfileAdmin:
         self.default_dir = default_dir
         self._lock = trio.Lock()
 
-    def _open_engines(self) -> list[tuple[int, AsyncEngine]]:
+    def _open_engines(self) -> list[tuple[int, AsyncEngine | StageEngine]]:
         engines = []
         for index in range(self.pool.replicas):
             engine = self.pool.replica_engine(index)
@@ -167,7 +168,7 @@ class ProfileAdmin:
                 code="already_profiling",
             )
         base = default_prefix()
-        started: list[AsyncEngine] = []
+        started: list[AsyncEngine | StageEngine] = []
         profiled: list[int] = []
         skipped: list[int] = []
         local_taken = False
@@ -193,7 +194,7 @@ class ProfileAdmin:
         return {"directory": directory, "replicas": profiled, "skipped": skipped}
 
     @staticmethod
-    async def _undo(started: list[AsyncEngine]) -> None:
+    async def _undo(started: list[AsyncEngine | StageEngine]) -> None:
         """Stop the replicas a failed start had started, and drop their traces."""
         for engine in started:
             with contextlib.suppress(Exception):

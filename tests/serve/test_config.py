@@ -99,6 +99,7 @@ def test_public_url_is_checked_and_normalised() -> None:
         ("api_key", ""),
         ("model_name", ""),
         ("replicas", 0),
+        ("stage", "thread"),
         ("drain_timeout_s", -1.0),
         ("drain_timeout_s", float("nan")),
         ("max_queue_len", 0),
@@ -292,6 +293,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         "--workers", "2",
         "--data-parallel", "2",
         "--replicas", "3",
+        "--stage", "process",
         "--max-num-seqs", "2",
         "--threads", "1",
         "--device", "cpu",
@@ -340,6 +342,7 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         worker_start_method="auto",
     )
     assert (config.host, config.port, config.api_key, config.replicas) == ("::1", 0, "k", 3)
+    assert config.stage == "process"
     assert config.drain_timeout_s == 2.5
     assert config.restart_wait_s == 12.5
     assert (config.max_queue_len, config.max_body_bytes, config.max_prompt_chars) == (7, 100, 10)

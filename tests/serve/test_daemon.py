@@ -36,6 +36,7 @@ import trio
 from omni_trio.config import EngineConfig
 from omni_trio.executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
 from omni_trio.executors.inproc import InprocExecutor
+from omni_trio.runtime.stage import CLOSE_MARGIN_S, KILL_GRACE_S, TERM_GRACE_S
 from omni_trio.serve.app import ImagesApp
 from omni_trio.serve.config import ServeConfig
 from omni_trio.serve.daemon import (
@@ -498,10 +499,56 @@ def test_unknown_model_exits_2(start_daemon: Callable[..., Daemon]) -> None:
     assert "unknown built-in model 'builtin:nope'" in daemon.stderr
 
 
-def test_tractor_replicas_exit_2(start_daemon: Callable[..., Daemon]) -> None:
-    daemon = start_daemon("--backend", "tractor", "--replicas", "2")
+def test_inline_tractor_replicas_exit_2(start_daemon: Callable[..., Daemon]) -> None:
+    daemon = start_daemon("--backend", "tractor", "--replicas", "2", "--stage", "inline")
     assert daemon.wait_exit() == EXIT_CONFIG
-    assert "replicas > 1 needs the inproc or ray backend" in daemon.stderr
+    assert "replicas > 1 on the tractor backend need stage processes" in daemon.stderr
+
+
+def _stage_pids(daemon: Daemon) -> list[int]:
+    pids = []
+    for pid in descendant_pids(daemon.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"omni_trio.runtime.stage_child" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_tractor_replicas_run_as_stage_processes_and_a_dead_one_stops_only_itself(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """``--backend tractor --replicas 2``: each replica's engine in a stage process of its
+    own (one tractor runtime each).  One stage SIGKILLed: the other replica keeps answering
+    while the pool reopens the dead one; SIGTERM drains and leaves no process behind."""
+    daemon = start_daemon("--backend", "tractor", "--replicas", "2", "--threads", "1")
+    daemon.wait_listening()
+    daemon.wait_ready()
+    stages = _stage_pids(daemon)
+    assert len(stages) == 2, stages
+    with daemon.client() as client:
+        responses = [generate(client, 2, seed=i) for i in range(4)]
+        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+        os.kill(stages[0], signal.SIGKILL)
+        # The live replica answers at once, while the dead one is reopened.
+        responses = [generate(client, 2, seed=i) for i in range(4)]
+        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+    daemon.wait_ready()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len(set(_stage_pids(daemon)) - {stages[0]}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polled, bounded: the reopened stage has no event here
+    now = _stage_pids(daemon)
+    assert stages[1] in now and stages[0] not in now and len(now) == 2, (stages, now)
+    everything = descendant_pids(daemon.proc.pid)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == EXIT_OK, daemon.stderr
+    deadline = time.monotonic() + 10.0
+    while [pid for pid in everything if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in everything if _alive(pid)]
 
 
 @pytest.mark.slow
@@ -645,6 +692,14 @@ def test_the_shutdown_bound_counts_every_wait() -> None:
     assert engine_close_bound_s(custom) == max(3 * 20.0, 20.0 + TERMINATE_WAIT_S + 2 * KILL_WAIT_S)
     config = ServeConfig(drain_timeout_s=7.0, engine=inproc)
     assert shutdown_bound_s(config) == 7.0 + 3 * 20.0 + SHUTDOWN_GRACE_S
+    # A stage process: its engine's close, then its exit, a SIGTERM's and a SIGKILL's wait.
+    stage_waits = CLOSE_MARGIN_S + TERM_GRACE_S + KILL_GRACE_S
+    assert engine_close_bound_s(inproc, "process") == 3 * 20.0 + stage_waits
+    tractor = inproc.replace(backend="tractor")
+    replicas = ServeConfig(drain_timeout_s=7.0, engine=tractor, replicas=2)  # stage processes
+    assert shutdown_bound_s(replicas) == (
+        7.0 + engine_close_bound_s(tractor) + stage_waits + SHUTDOWN_GRACE_S
+    )
 
 
 def test_the_shipped_stop_timeouts_exceed_the_shutdown_bound() -> None:

@@ -80,10 +80,18 @@ def test_errors_are_omni_trio_errors() -> None:
 
 
 def test_configuration_is_checked() -> None:
+    # Several tractor engines cannot share a process: they run as stage processes unless
+    # told to run inline, which is refused.
     with pytest.raises(InvalidConfigError, match="tractor") as info:
-        EnginePool(EngineConfig(backend="tractor"), replicas=2)
+        EnginePool(EngineConfig(backend="tractor"), replicas=2, stage="inline")
     assert info.value.field == "replicas"
-    EnginePool(EngineConfig(backend="tractor"), replicas=1)  # one tractor engine is fine
+    assert EnginePool(EngineConfig(backend="tractor"), replicas=2).stage == "process"
+    assert EnginePool(EngineConfig(backend="tractor"), replicas=1).stage == "inline"
+    assert EnginePool(echo_config(), replicas=2).stage == "inline"
+    assert EnginePool(echo_config(), replicas=2, stage="process").stage == "process"
+    with pytest.raises(InvalidConfigError, match="stage") as info:
+        EnginePool(echo_config(), stage="thread")
+    assert info.value.field == "stage"
     for bad in (0, True, 1.5):
         with pytest.raises(InvalidConfigError):
             EnginePool(echo_config(), replicas=bad)  # type: ignore[arg-type]

@@ -1,0 +1,670 @@
+"""A process-backed stage: the whole engine in a child process, the same API in the caller.
+
+``open_engine(config, stage="process")`` (and ``Engine(config, stage="process")``) start
+``python -m omni_trio.runtime.stage_child`` in a new session (its own process group), hand
+it ``config`` over a socketpair and wait for its READY handshake: the child has opened the
+engine (worker group up, warmup done) -- or its error, raised here.  The caller then holds a
+:class:`StageEngine`, which answers what :class:`~omni_trio.runtime.engine.AsyncEngine`
+answers:
+
+* ``stream`` / ``generate`` admit in the child; each output (previews included) crosses as
+  it comes.  The caller checks what it can before anything crosses (the prompt's type, the
+  request limits, a duplicate id of its own, a closed or dead stage) and raises it at once,
+  as the inline engine does; what only the child can judge (the model's limits, the cost
+  budget, adapters) ends the stream by raising the child's error, typed, on its first read.
+  A seed is chosen here when the request has none, so ``stream.seed`` is known at once.
+* Leaving a stream early aborts the request in the child (consumer drop crosses over);
+  ``abort`` crosses too, and the terminal output follows from the child.
+* Synchronous accessors (``health``, ``statistics``, ``status``, ``progress``,
+  ``queue_position``, ``is_idle``, ...) answer from the child's latest state snapshot, sent
+  after every change (at most every :data:`~.stage_child.STATE_PERIOD_S`); the async control
+  calls (``sleep``, ``wake_up``, profiling, ``collective_rpc``, ``worker_leftovers``,
+  ``wait_idle``) run in the child and return or raise what the engine there did.
+* A stage process that dies (killed, crashed) is seen at once (its end of the socket
+  closes and the process exits): every open stream ends with an ``EngineDeadError``
+  output, every control call raises :class:`EngineDeadError`, and so does every later call;
+  what is left of its process group (its worker processes) is killed.
+* ``aclose`` ends the open streams (``EngineClosedError`` output, as the inline engine
+  does), asks the child to close its engine, and waits as long as that close may take
+  (:func:`engine_close_bound_s`) plus a margin for it to exit; then SIGTERM, then SIGKILL
+  to the whole process group: no orphan.  A caller that dies closes the socket, and the
+  child closes its engine on its own.
+
+A stage records no trace in the caller (``trace`` is refused) and has no ``core``,
+``scheduler`` or ``executor`` here: those live in the child.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import os
+import pickle
+import secrets
+import signal
+import socket
+import sys
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .._core.health import EngineHealth, EngineState, EngineStatistics
+from .._core.lifecycle import RequestStatus
+from .._core.messages import DiffusionOutput
+from .._core.model_info import ModelInfo
+from .._core.request import DiffusionRequest, SamplingParams, validate_request
+from ..config import EngineConfig
+from ..errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidRequestError,
+)
+from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
+from .request_stream import RequestStream
+from .stage_wire import FrameReader, WireError, decode_error, frame
+
+__all__ = ["STAGES", "StageEngine", "engine_close_bound_s", "open_stage_engine"]
+
+log = logging.getLogger(__name__)
+
+STAGES = ("inline", "process")
+# Past close_timeout_s: how long the stage process gets to exit after closing its engine,
+# then after SIGTERM, before its process group is killed.
+CLOSE_MARGIN_S = 5.0
+TERM_GRACE_S = 2.0
+KILL_GRACE_S = 2.0
+
+_S = RequestStatus
+
+
+def engine_close_bound_s(engine: EngineConfig, stage: str = "inline") -> float:
+    """The longest one engine's close may take (the replicas close at the same time), from
+    every wait it makes, for ``engine.backend``:
+
+    - ``inproc`` -- ``3 * close_timeout_s``: the worker thread's shutdown (queued behind the
+      forward in flight, which stops at its next step) is awaited for ``close_timeout_s``,
+      the thread is then joined for as long, and the engine loop's own wait for that forward
+      (its stall bound) is as long again;
+    - ``tractor`` and ``ray`` -- ``close_timeout_s`` for the workers to stop when asked, then
+      :data:`~omni_trio.executors.group.TERMINATE_WAIT_S` after a terminate,
+      :data:`~omni_trio.executors.group.KILL_WAIT_S` after a kill, and as long again for the
+      transport to reap its processes or actors;
+    - any other backend: the larger of the two;
+    - ``stage="process"`` -- the inline bound plus :data:`CLOSE_MARGIN_S` for the stage
+      process to exit after closing its engine, :data:`TERM_GRACE_S` after a SIGTERM and
+      :data:`KILL_GRACE_S` after the process group's SIGKILL.
+
+    A forward in flight stops at its next step boundary; with the compute budget
+    (``max_step_s``, 10 s by default, after a warmup) that is well within
+    ``close_timeout_s``.  A longer step is cut off by these same waits (the close gives up
+    on it), so it never extends the bound."""
+    close = engine.close_timeout_s
+    inproc = 3 * close
+    group = close + TERMINATE_WAIT_S + 2 * KILL_WAIT_S
+    backend = engine.backend
+    if backend == "inproc":
+        bound = inproc
+    elif backend in ("tractor", "ray"):
+        bound = group
+    else:
+        bound = max(inproc, group)
+    if stage == "process":
+        bound += CLOSE_MARGIN_S + TERM_GRACE_S + KILL_GRACE_S
+    return bound
+
+
+@dataclass(eq=False)
+class _Call:
+    done: trio.Event = field(default_factory=trio.Event)
+    ok: bool = False
+    value: Any = None
+
+
+class StageEngine:
+    """The caller's side of an engine running in a stage process (see the module doc).
+    Every method runs on the caller's trio thread; the synchronous ones never checkpoint."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        process: trio.Process,
+        connection: trio.SocketStream,
+        reader: FrameReader,
+        model_info: ModelInfo | None,
+        state: dict[str, Any],
+    ) -> None:
+        self.config = config
+        self._process = process
+        self._connection = connection
+        self._reader = reader
+        self._model_info = model_info
+        self._state = state
+        self._outbox_send, self._outbox = trio.open_memory_channel[tuple[Any, ...]](math.inf)
+        self._sends: dict[str, trio.MemorySendChannel[DiffusionOutput]] = {}
+        self._streams: dict[str, weakref.ref[RequestStream]] = {}
+        self._calls: dict[int, _Call] = {}
+        self._call_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._id_prefix = secrets.token_hex(4)
+        self._seeds = secrets.SystemRandom()
+        self._token = trio.lowlevel.current_trio_token()
+        self._dead: str | None = None
+        self._closing = False
+        self._close_done = trio.Event()
+        self._ended = trio.Event()
+        self._closed_ack = trio.Event()
+
+    # -- what the child says ---------------------------------------------------------------
+
+    async def _read(self) -> None:
+        """Carry out the child's messages until its end of the socket closes."""
+        try:
+            while True:
+                message = await self._reader.receive()
+                if message is None:
+                    break
+                self._on_message(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception as exc:  # a malformed frame: nothing more can be trusted
+            log.exception("stage process sent something unreadable")
+            self._die(f"the stage connection broke: {type(exc).__name__}: {exc}")
+        if not self._closed_ack.is_set():
+            self._die(self._exit_text("closed its connection"))
+
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "out":
+            _, rid, output = message
+            send = self._sends.get(rid)
+            if send is None:
+                return  # the consumer left, or the stage ended it here already
+            if output.finished:
+                del self._sends[rid]
+                self._streams.pop(rid, None)
+                self._deliver(send, output)
+                send.close()
+            else:
+                self._deliver(send, output)
+        elif kind == "rejected":
+            _, rid, error = message
+            send = self._sends.pop(rid, None)
+            ref = self._streams.pop(rid, None)
+            stream = ref() if ref is not None else None
+            if stream is not None:
+                stream.fail_with(decode_error(error))
+            if send is not None:
+                send.close()
+        elif kind == "reply":
+            _, call_id, ok, value = message
+            call = self._calls.pop(call_id, None)
+            if call is not None:
+                call.ok = ok
+                call.value = decode_error(value) if not ok else value
+                call.done.set()
+        elif kind == "state":
+            self._state = message[1]
+            self._model_info = self._state.get("model_info") or self._model_info
+        elif kind == "closed":
+            self._state = message[1]
+            self._closed_ack.set()
+        else:
+            raise ValueError(f"unknown stage message {kind!r}")
+
+    @staticmethod
+    def _deliver(send: trio.MemorySendChannel[DiffusionOutput], output: DiffusionOutput) -> None:
+        try:
+            send.send_nowait(output)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _write(self) -> None:
+        """Send the queued messages in order until :meth:`aclose` has queued ``close``; a
+        broken socket is the reader's to report.  Shielded: a caller cancelled around the
+        engine still gets its ``close`` across (a stage that never reads it is killed)."""
+        with trio.CancelScope(shield=True):
+            async with self._outbox:
+                async for message in self._outbox:
+                    try:
+                        await self._connection.send_all(frame(message))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+
+    async def _watch_process(self) -> None:
+        await self._process.wait()
+        if not self._closing:
+            self._die(self._exit_text("exited"))
+        _kill_group(self._process.pid)  # its workers, if it left any
+
+    def _exit_text(self, what: str) -> str:
+        code = self._process.returncode
+        if code is None:
+            return f"the stage process {self._process.pid} {what}"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return f"the stage process {self._process.pid} {what} (killed by {name})"
+        return f"the stage process {self._process.pid} {what} (exit code {code})"
+
+    def _post(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._outbox_send.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None or self._closing:
+            return
+        self._dead = reason
+        log.error("stage engine died: %s", reason)
+        self._end_streams(_S.FINISHED_ERROR, f"engine died: {reason}", "EngineDeadError")
+        self._fail_calls(EngineDeadError(f"engine died: {reason}"))
+        self._ended.set()
+
+    def _end_streams(self, status: RequestStatus, message: str, error_type: str) -> None:
+        sends, self._sends = self._sends, {}
+        self._streams.clear()
+        for rid, send in sends.items():
+            self._deliver(send, DiffusionOutput(rid, status, error=message, error_type=error_type))
+            send.close()
+
+    def _fail_calls(self, error: BaseException) -> None:
+        calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.ok, call.value = False, error
+            call.done.set()
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine died: {self._dead}")
+        if self._closing:
+            raise EngineClosedError("engine is closed")
+        if self._state.get("dead"):
+            raise EngineDeadError(str(self._state["health"].reason or "engine died"))
+
+    def stream(
+        self,
+        prompt_or_request: str | DiffusionRequest,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Admit a request in the stage and return its output stream (no checkpoint).
+
+        Raises at once what can be judged here: :class:`InvalidRequestError` (prompt type,
+        request limits), :class:`DuplicateRequestError` (an id still streaming from this
+        stage), :class:`EngineClosedError` / :class:`EngineDeadError`.  What the stage
+        refuses ends the stream by raising its error on the first read."""
+        self._check_open()
+        if isinstance(prompt_or_request, DiffusionRequest):
+            request = prompt_or_request
+            if params is not None:
+                request = request.replace(sampling=params)
+            if request_id is not None:
+                request = request.replace(request_id=request_id)
+        elif isinstance(prompt_or_request, str):
+            request = DiffusionRequest(
+                prompt_or_request,
+                params if params is not None else SamplingParams(),
+                request_id or "",
+            )
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string, not {type(prompt_or_request).__name__}",
+                param="prompt",
+            )
+        if not request.request_id:
+            request = request.replace(request_id=f"req-{self._id_prefix}-{next(self._request_ids)}")
+        validate_request(request, self.config.request_limits)
+        rid = request.request_id
+        if rid in self._sends:
+            raise DuplicateRequestError(rid)
+        if request.sampling.seed is None:
+            request = request.replace(
+                sampling=request.sampling.replace(seed=self._seeds.randrange(2**31))
+            )
+        send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
+        stream = RequestStream(
+            rid,
+            request.sampling.seed,
+            receive,
+            functools.partial(self._gone, send),
+            functools.partial(self._dropped, send),
+        )
+        self._sends[rid] = send
+        self._streams[rid] = weakref.ref(stream)
+        self._post(("submit", rid, request, None))
+        return stream
+
+    def _gone(self, send: trio.MemorySendChannel[DiffusionOutput], rid: str) -> None:
+        if self._sends.get(rid) is not send:
+            return  # already ended, or a stale stream of a reused id
+        del self._sends[rid]
+        self._streams.pop(rid, None)
+        send.close()
+        self._post(("gone", rid))
+
+    def _dropped(self, send: trio.MemorySendChannel[DiffusionOutput], rid: str) -> None:
+        # Finalized unread, from any thread at any moment: act on the loop's next turn.
+        try:
+            self._token.run_sync_soon(self._gone, send, rid)
+        except trio.RunFinishedError:
+            pass
+
+    async def generate(
+        self,
+        prompt_or_request: str | DiffusionRequest,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> DiffusionOutput:
+        """Run one request to completion in the stage; raises as
+        :meth:`AsyncEngine.generate <omni_trio.runtime.engine.AsyncEngine.generate>` does.
+        If cancelled, the request is aborted."""
+        final: DiffusionOutput | None = None
+        async with self.stream(prompt_or_request, params, request_id=request_id) as chunks:
+            async for output in chunks:
+                if output.finished:
+                    final = output
+        if final is None:  # pragma: no cover - streams always end with a terminal output
+            raise EngineClosedError("the request stream ended without an output")
+        return final.raise_for_status()
+
+    def abort(self, *request_ids: str) -> None:
+        """Abort requests in the stage (unknown or finished ids are ignored); no checkpoint.
+        Their terminal outputs follow from the stage."""
+        if request_ids and self._dead is None and not self._closing:
+            self._post(("abort", tuple(request_ids)))
+
+    # -- control calls ---------------------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        call_id = next(self._call_ids)
+        call = _Call()
+        self._calls[call_id] = call
+        self._post(("call", call_id, method, args, kwargs))
+        try:
+            await call.done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if not call.ok:
+            raise call.value
+        return call.value
+
+    async def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = 0,
+        **kwargs: Any,
+    ) -> Any:
+        """``AsyncEngine.collective_rpc`` in the stage (arguments and result cross by
+        pickle).  If cancelled, the caller stops waiting; the RPC may still run there."""
+        return await self._call(
+            "collective_rpc",
+            method,
+            *args,
+            timeout=timeout,
+            unique_reply_rank=unique_reply_rank,
+            **kwargs,
+        )
+
+    async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
+        """``AsyncEngine.sleep`` in the stage."""
+        result: list[dict[str, Any]] = await self._call("sleep", level)
+        return result
+
+    async def wake_up(self) -> list[dict[str, Any]]:
+        """``AsyncEngine.wake_up`` in the stage."""
+        result: list[dict[str, Any]] = await self._call("wake_up")
+        return result
+
+    async def start_profile(
+        self, directory: str | os.PathLike[str], prefix: str | None = None
+    ) -> None:
+        """``AsyncEngine.start_profile`` in the stage (a relative directory is the stage
+        process's, which shares the caller's working directory)."""
+        await self._call("start_profile", os.fspath(directory), prefix)
+
+    async def stop_profile(self) -> list[str]:
+        """``AsyncEngine.stop_profile`` in the stage."""
+        result: list[str] = await self._call("stop_profile")
+        return result
+
+    async def worker_leftovers(self) -> dict[str, set[str]]:
+        """``AsyncEngine.worker_leftovers`` in the stage."""
+        result: dict[str, set[str]] = await self._call("worker_leftovers")
+        return result
+
+    async def wait_idle(self) -> None:
+        """Return once this side holds no stream or call and the stage's engine is idle
+        (``AsyncEngine.wait_idle`` there).  Unbounded; cancelling it is harmless."""
+        while True:
+            await self._call("wait_idle")
+            if not self._sends and not self._calls:
+                return
+            await trio.sleep(0.01)  # outputs still crossing: look again
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._model_info
+
+    @property
+    def profiling(self) -> bool:
+        return bool(self._state.get("profiling"))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._state.get("sleeping"))
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closing
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or bool(self._state.get("dead"))
+
+    @property
+    def pid(self) -> int:
+        """The stage process's pid (its process group's id too)."""
+        return self._process.pid
+
+    def health(self) -> EngineHealth:
+        """The stage's latest health; DEAD or CLOSED as seen here (never raises)."""
+        health: EngineHealth = self._state["health"]
+        if self._dead is not None:
+            return EngineHealth(
+                healthy=False,
+                state=EngineState.DEAD,
+                reason=self._dead,
+                restarts=health.restarts,
+                workers=(),
+                last_failure=self._dead,
+            )
+        if self._closing:
+            return EngineHealth(
+                healthy=False,
+                state=EngineState.CLOSED,
+                reason="engine is closed",
+                restarts=health.restarts,
+                workers=(),
+                last_failure=health.last_failure,
+            )
+        return health
+
+    def check_health(self) -> None:
+        """Return None when healthy; raise what the stage's ``check_health`` raised at its
+        latest snapshot (:class:`EngineDeadError` at once when the stage process died)."""
+        self._check_open()
+        error: WireError | None = self._state.get("health_error")
+        if error is not None:
+            raise decode_error(error)
+
+    def statistics(self) -> EngineStatistics:
+        stats: EngineStatistics = self._state["statistics"]
+        return stats
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        known = self._state["requests"].get(request_id)
+        if known is not None:
+            status: RequestStatus | None = known[0]
+            return status
+        return _S.WAITING if request_id in self._sends else None
+
+    def progress(self, request_id: str) -> tuple[int, int] | None:
+        known = self._state["requests"].get(request_id)
+        return None if known is None else known[1]
+
+    def queue_position(self, request_id: str) -> int | None:
+        known = self._state["requests"].get(request_id)
+        return None if known is None else known[2]
+
+    def is_idle(self) -> bool:
+        if self._dead is not None or self._closing:
+            return True
+        return not self._sends and not self._calls and bool(self._state.get("idle"))
+
+    def leftovers(self) -> dict[str, set[str]]:
+        """What the stage's engine held at its latest snapshot, plus this side's open
+        streams (``stage_streams``) and control calls (``stage_calls``)."""
+        held: dict[str, set[str]] = {k: set(v) for k, v in self._state["leftovers"].items()}
+        held["stage_streams"] = set(self._sends)
+        held["stage_calls"] = {str(call_id) for call_id in self._calls}
+        return held
+
+    async def wait_ended(self) -> None:
+        """Return once the stage died or was closed.  Cancelling the wait is harmless."""
+        await self._ended.wait()
+
+    # -- ending ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the stage; idempotent, shielded from cancellation.  Open streams end with
+        an ``EngineClosedError`` output at once; the stage closes its engine and exits
+        within its engine's close bound (:func:`engine_close_bound_s`) plus
+        :data:`CLOSE_MARGIN_S`, else it is terminated, then its whole process group
+        killed."""
+        if self._closing:
+            with trio.CancelScope(shield=True):
+                await self._close_done.wait()
+            return
+        was_dead = self._dead is not None
+        self._closing = True
+        self._ended.set()
+        with trio.CancelScope(shield=True):
+            try:
+                if not was_dead:
+                    self._end_streams(_S.FINISHED_ABORTED, "engine is closed", "EngineClosedError")
+                self._fail_calls(EngineClosedError("engine is closed"))
+                self._post(("close",))
+                self._outbox_send.close()
+                await self._reap()
+            finally:
+                self._close_done.set()
+
+    async def _reap(self) -> None:
+        process = self._process
+        with trio.move_on_after(engine_close_bound_s(self.config) + CLOSE_MARGIN_S):
+            await process.wait()
+        if process.returncode is None:
+            log.warning("stage process %d did not exit; terminating it", process.pid)
+            process.terminate()
+            with trio.move_on_after(TERM_GRACE_S):
+                await process.wait()
+        _kill_group(process.pid)
+        if process.returncode is None:
+            process.kill()
+            with trio.move_on_after(KILL_GRACE_S):
+                await process.wait()
+        await self._connection.aclose()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a stage's process group (nothing, normally)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@asynccontextmanager
+async def open_stage_engine(config: EngineConfig) -> AsyncIterator[StageEngine]:
+    """Start a stage process running ``open_engine(config)`` and yield its
+    :class:`StageEngine` once the engine there is ready; raises what opening it raised
+    there (the same type), or :class:`EngineDeadError` if the process ended first.  Leaving
+    the block closes the stage (see :meth:`StageEngine.aclose`); cancelled while starting,
+    the stage process group is killed."""
+    try:
+        pickle.dumps(config)
+    except Exception as exc:
+        raise InvalidConfigError(
+            f"the engine config cannot be sent to a stage process: {type(exc).__name__}: {exc}",
+            field="stage",
+        ) from exc
+    ours, theirs = socket.socketpair()
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "omni_trio.runtime.stage_child", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    connection = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+    reader = FrameReader(connection)
+    started = False
+    try:
+        await connection.send_all(frame(("open", config)))
+        first = await reader.receive()
+        if first is None or first[0] not in ("ready", "failed"):
+            with trio.move_on_after(TERM_GRACE_S):
+                await process.wait()
+            code = process.returncode
+            raise EngineDeadError(
+                f"the stage process {process.pid} ended while starting"
+                + ("" if code is None else f" (exit code {code})")
+            )
+        if first[0] == "failed":
+            with trio.move_on_after(CLOSE_MARGIN_S):
+                await process.wait()
+            raise decode_error(first[1])
+        _, model_info, state = first
+        engine = StageEngine(config, process, connection, reader, model_info, state)
+        started = True
+    finally:
+        if not started:
+            with trio.CancelScope(shield=True):
+                _kill_group(process.pid)
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+                await connection.aclose()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._read)
+        nursery.start_soon(engine._write)
+        nursery.start_soon(engine._watch_process)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,218 @@
+"""The stage process: one engine in a child process, served over a socket to its caller.
+
+Run as ``python -m omni_trio.runtime.stage_child FD`` by :func:`.stage.open_stage_engine`,
+``FD`` being this process's end of a socketpair (see :mod:`.stage_wire` for the messages).
+:func:`serve_stage` opens the engine the first message configures, says ``ready`` (or
+``failed``, with the error, and returns), then carries out the caller's messages until
+``close`` or the end of the connection -- the caller closed or died: the engine is closed
+either way, so no worker of it outlives its caller.  Every ``submit`` becomes a stream whose
+outputs go back as they come; ``gone`` leaves that stream (the request is aborted, as for a
+consumer that left); a ``state`` snapshot (health, statistics, each request's status,
+progress and queue position) follows every change, at most every :data:`STATE_PERIOD_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import sys
+from typing import Any
+
+import trio
+
+from ..config import EngineConfig
+from ..errors import InvalidConfigError
+from .engine import AsyncEngine, open_engine
+from .request_stream import RequestStream
+from .stage_wire import FrameReader, WireError, encode_error, frame
+
+__all__ = ["CALLS", "STATE_PERIOD_S", "main", "serve_stage", "snapshot"]
+
+log = logging.getLogger(__name__)
+
+# How often the stage looks for a change to report (health, statistics, requests).
+STATE_PERIOD_S = 0.05
+# The engine methods a "call" message may run (each awaited, its result sent back).
+CALLS = frozenset(
+    {
+        "collective_rpc",
+        "sleep",
+        "start_profile",
+        "stop_profile",
+        "wait_idle",
+        "wake_up",
+        "worker_leftovers",
+    }
+)
+
+
+def snapshot(engine: AsyncEngine, request_ids: set[str]) -> dict[str, Any]:
+    """What the caller's synchronous accessors answer from, until the next one."""
+    try:
+        engine.check_health()
+    except Exception as exc:
+        health_error: WireError | None = encode_error(exc)
+    else:
+        health_error = None
+    return {
+        "health_error": health_error,
+        "health": engine.health(),
+        "statistics": engine.statistics(),
+        "idle": engine.is_idle(),
+        "sleeping": engine.is_sleeping,
+        "profiling": engine.profiling,
+        "closed": engine.is_closed,
+        "dead": engine.is_dead,
+        "model_info": engine.model_info,
+        "leftovers": engine.leftovers(),
+        "requests": {
+            rid: (engine.status(rid), engine.progress(rid), engine.queue_position(rid))
+            for rid in request_ids
+        },
+    }
+
+
+class _Session:
+    """One engine and the caller's streams on it (all on this process's trio thread)."""
+
+    def __init__(self, engine: AsyncEngine, send: trio.MemorySendChannel[tuple[Any, ...]]) -> None:
+        self.engine = engine
+        self.send = send
+        self.streams: dict[str, trio.CancelScope] = {}
+        self.changed = trio.Event()
+
+    def post(self, message: tuple[Any, ...]) -> None:
+        self.send.send_nowait(message)
+
+    def submit(self, nursery: trio.Nursery, rid: str, prompt: Any, params: Any) -> None:
+        try:
+            stream = self.engine.stream(prompt, params, request_id=rid)
+        except Exception as exc:
+            self.post(("rejected", rid, encode_error(exc)))
+            return
+        scope = trio.CancelScope()
+        self.streams[rid] = scope
+        self.changed.set()
+        nursery.start_soon(self._forward, rid, stream, scope)
+
+    async def _forward(self, rid: str, stream: RequestStream, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                async with stream:
+                    async for output in stream:
+                        if output.finished:  # what the caller reads next agrees with it
+                            self.post(("state", snapshot(self.engine, set(self.streams))))
+                        self.post(("out", rid, output))
+                        self.changed.set()
+        finally:
+            if self.streams.get(rid) is scope:
+                del self.streams[rid]
+            self.changed.set()
+
+    def gone(self, rid: str) -> None:
+        scope = self.streams.get(rid)
+        if scope is not None:
+            scope.cancel()
+
+    async def call(self, call_id: int, method: str, args: Any, kwargs: Any) -> None:
+        try:
+            if method not in CALLS:
+                raise InvalidConfigError(f"a stage does not run {method!r}")
+            result = await getattr(self.engine, method)(*args, **kwargs)
+        except Exception as exc:
+            reply: tuple[Any, ...] = ("reply", call_id, False, encode_error(exc))
+        else:
+            reply = ("reply", call_id, True, result)
+        # What the caller reads once the call returned agrees with it.
+        self.post(("state", snapshot(self.engine, set(self.streams))))
+        self.post(reply)
+        self.changed.set()
+
+    async def push_state(self) -> None:
+        last: dict[str, Any] | None = None
+        while True:
+            with trio.move_on_after(STATE_PERIOD_S):
+                await self.changed.wait()
+            self.changed = trio.Event()
+            state = snapshot(self.engine, set(self.streams))
+            if state != last:
+                self.post(("state", state))
+                last = state
+            await trio.sleep(STATE_PERIOD_S)
+
+
+async def _serve_session(session: _Session, reader: FrameReader) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.push_state)
+        while True:
+            message = await reader.receive()
+            if message is None or message[0] == "close":
+                break
+            kind = message[0]
+            if kind == "submit":
+                _, rid, prompt, params = message
+                session.submit(nursery, rid, prompt, params)
+            elif kind == "abort":
+                session.engine.abort(*message[1])
+            elif kind == "gone":
+                session.gone(message[1])
+            elif kind == "call":
+                _, call_id, method, args, kwargs = message
+                nursery.start_soon(session.call, call_id, method, args, kwargs)
+            else:
+                raise ValueError(f"unknown stage message {kind!r}")
+        nursery.cancel_scope.cancel()
+
+
+async def serve_stage(sock: socket.socket) -> None:
+    """Serve one engine over ``sock`` until the caller says ``close`` or goes away.  Returns
+    once the engine is closed and ``closed`` was sent (or could not be: the caller is
+    gone)."""
+    connection = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    reader = FrameReader(connection)
+    send, receive = trio.open_memory_channel[tuple[Any, ...]](math.inf)
+
+    async def write() -> None:
+        async with receive:
+            async for message in receive:
+                try:
+                    await connection.send_all(frame(message))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the caller is gone: nothing more to say
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write)
+        async with send:
+            first = await reader.receive()
+            if first is None:
+                return
+            if first[0] != "open" or not isinstance(first[1], EngineConfig):
+                raise ValueError(f"the first stage message must be 'open', not {first[0]!r}")
+            config: EngineConfig = first[1]
+            opened: list[AsyncEngine] = []
+            try:
+                async with open_engine(config) as engine:
+                    opened.append(engine)
+                    send.send_nowait(("ready", engine.model_info, snapshot(engine, set())))
+                    await _serve_session(_Session(engine, send), reader)
+                    # (Leaving the block closes the engine: it ends what still runs.)
+            except Exception as exc:
+                if opened:
+                    raise
+                send.send_nowait(("failed", encode_error(exc)))
+                return
+            send.send_nowait(("closed", snapshot(opened[0], set())))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        raise SystemExit("usage: python -m omni_trio.runtime.stage_child FD")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s stage %(name)s: %(message)s")
+    sock = socket.socket(fileno=int(args[0]))
+    trio.run(serve_stage, sock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The process-backed stage (``open_engine(config, stage="process")``): the whole engine in
+a child process, the same API here.  Real stage processes running ``builtin:echo`` (inproc
+and tractor backends inside the stage)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from omni_trio import (
+    DuplicateRequestError,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidRequestError,
+    RequestAbortedError,
+    SamplingParams,
+    open_engine,
+)
+from omni_trio._core.health import EngineState, SleepState
+from omni_trio._core.lifecycle import RequestStatus
+from omni_trio.models import decode_echo_image
+from omni_trio.runtime import stage as stage_module
+from omni_trio.runtime.stage import StageEngine
+
+pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
+
+CAP_S = 60.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(cache_dir: Path, **overrides: Any) -> EngineConfig:
+    overrides.setdefault("warmup", False)
+    return EngineConfig(
+        model="builtin:echo", cache_dir=str(cache_dir), torch_threads=1, **overrides
+    )
+
+
+def params(**kw: Any) -> SamplingParams:
+    kw.setdefault("height", 32)
+    kw.setdefault("width", 32)
+    kw.setdefault("num_inference_steps", 3)
+    return SamplingParams(**kw)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] != b"Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat = file.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
+async def until(predicate: Any, what: str) -> None:
+    """Poll (bounded by the caller's cap): the stage's process state has no event here."""
+    while not predicate():
+        await trio.sleep(0.02)
+
+
+async def test_outputs_previews_and_seeds_cross_as_the_inline_engine_gives_them(
+    cache_dir: Path,
+) -> None:
+    cfg = config(cache_dir, streaming_output=True)
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg) as inline:
+            expected = await inline.generate("p", params(seed=11), request_id="same")
+        async with open_engine(cfg, stage="process") as engine:
+            assert isinstance(engine, StageEngine)
+            assert engine.pid != os.getpid()
+            assert engine.model_info is not None and engine.model_info.name == "builtin:echo"
+            assert engine.health().healthy
+            out = await engine.generate("p", params(seed=11), request_id="same")
+            assert out.ok
+            assert decode_echo_image(out.images[0]) == ("same", 11, 0)
+            assert out.images[0].tobytes() == expected.images[0].tobytes()
+            # A seed is chosen at once when none is given; the stream reports it.
+            async with engine.stream("p", params(num_inference_steps=4)) as stream:
+                seed = stream.seed
+                assert seed is not None
+                chunks = [o async for o in stream]
+            assert [c.finished for c in chunks][-1] and not chunks[0].finished  # previews
+            assert decode_echo_image(chunks[-1].images[0])[1] == seed
+            stats = engine.statistics()
+            assert stats.finished_completed == 2 and stats.running == 0
+    assert engine.health().state is EngineState.CLOSED
+    assert not alive(engine.pid)
+
+
+async def test_bad_input_is_refused_typed_here_or_on_the_first_read(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with open_engine(config(cache_dir), stage="process") as engine:
+            with pytest.raises(InvalidRequestError, match="prompt"):
+                engine.stream(42, params())  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequestError):
+                engine.stream("p", params(height=10**6, width=10**6))
+            slow = engine.stream("p", params(num_inference_steps=50), request_id="dup")
+            with pytest.raises(DuplicateRequestError):
+                engine.stream("p", params(), request_id="dup")
+            await slow.aclose()
+            # Only the engine knows builtin:echo takes no adapter: typed, on the first read.
+            with pytest.raises(InvalidRequestError, match="LoRA|lora"):
+                await engine.generate("p", params(lora=(("style", 1.0),)))
+            assert engine.health().healthy
+            assert (await engine.generate("p", params())).ok
+
+
+async def test_abort_and_consumer_drop_cross_over(cache_dir: Path) -> None:
+    cfg = config(cache_dir, model_options={"step_delay_s": 0.05})
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as engine:
+            stream = engine.stream("p", params(num_inference_steps=400), request_id="a")
+            await until(lambda: engine.status("a") is RequestStatus.RUNNING, "running")
+            engine.abort("a")
+            async with stream:
+                last = [o async for o in stream][-1]
+            assert last.status is RequestStatus.FINISHED_ABORTED
+            with pytest.raises(RequestAbortedError):
+                last.raise_for_status()
+            # A consumer that leaves: the request is aborted in the stage.
+            async with engine.stream("p", params(num_inference_steps=400)) as dropped:
+                rid = dropped.request_id
+                await until(lambda: engine.status(rid) is RequestStatus.RUNNING, "running")
+            await until(lambda: engine.statistics().finished_aborted == 2, "aborted")
+            await until(engine.is_idle, "idle")
+            assert engine.statistics().running == 0
+            assert engine.leftovers()["stage_streams"] == set()
+
+
+async def test_a_killed_stage_is_engine_dead_here_at_once_and_leaves_nothing(
+    cache_dir: Path,
+) -> None:
+    cfg = config(
+        cache_dir,
+        backend="tractor",
+        worker_start_method="forkserver",
+        model_options={"step_delay_s": 0.05},
+    )
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as engine:
+            assert (await engine.generate("p", params())).ok
+            workers = [w.pid for w in engine.health().workers]
+            assert workers and all(pid != engine.pid for pid in workers)
+            stream = engine.stream("p", params(num_inference_steps=500), request_id="long")
+            await until(lambda: engine.status("long") is RequestStatus.RUNNING, "running")
+            os.kill(engine.pid, signal.SIGKILL)
+            with trio.fail_after(1.0):  # the issue's bound: within a second
+                async with stream:
+                    last = [o async for o in stream][-1]
+            assert last.error_type == "EngineDeadError"
+            with pytest.raises(EngineDeadError):
+                last.raise_for_status()
+            assert engine.is_dead and engine.health().state is EngineState.DEAD
+            with pytest.raises(EngineDeadError):
+                engine.stream("p", params())
+            with pytest.raises(EngineDeadError):
+                await engine.sleep(1)
+            await engine.wait_ended()
+        # The stage's own workers went with its process group.
+        await until(lambda: not any(alive(pid) for pid in workers), "workers gone")
+        await until(lambda: group_members(engine.pid) == [], "the process group gone")
+
+
+async def test_sleep_wake_and_control_calls_run_in_the_stage(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with open_engine(config(cache_dir), stage="process") as engine:
+            waiting_for = await engine.sleep(1)
+            assert isinstance(waiting_for, list)
+            assert engine.is_sleeping
+            assert engine.statistics().sleep_state is SleepState.ASLEEP
+            stream = engine.stream("p", params(seed=3))
+            await engine.wake_up()
+            async with stream:
+                assert [o async for o in stream][-1].ok
+            assert await engine.collective_rpc("ping") is not None
+            held = await engine.worker_leftovers()
+            assert all(not ids for ids in held.values())
+            await engine.wait_idle()
+            assert engine.is_idle()
+
+
+async def test_a_stage_that_does_not_close_is_terminated_then_killed(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stage_module, "CLOSE_MARGIN_S", 0.2)
+    monkeypatch.setattr(stage_module, "TERM_GRACE_S", 0.2)
+    cfg = config(cache_dir, close_timeout_s=0.2)
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as engine:
+            # Stopped, the stage neither reads the close nor acts on SIGTERM: only the
+            # process group's SIGKILL ends it.
+            os.kill(engine.pid, signal.SIGSTOP)
+            began = trio.current_time()
+        took = trio.current_time() - began
+    assert not alive(engine.pid)
+    assert group_members(engine.pid) == []
+    assert took < stage_module.engine_close_bound_s(cfg, "process")
+
+
+async def test_an_engine_that_cannot_open_raises_its_own_error_here(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        with pytest.raises(InvalidConfigError, match="nope"):
+            async with open_engine(config(cache_dir, model_options={"nope": 1}), stage="process"):
+                pass  # pragma: no cover
+        with pytest.raises(InvalidConfigError, match="stage"):
+            async with open_engine(config(cache_dir), stage="thread"):
+                pass  # pragma: no cover
+
+
+def test_the_sync_engine_runs_a_stage_too(cache_dir: Path) -> None:
+    with Engine(config(cache_dir), stage="process") as engine:
+        out = engine.generate("p", params(seed=5), request_id="s")
+        assert decode_echo_image(out.images[0]) == ("s", 5, 0)
+    with pytest.raises(EngineClosedError):
+        engine.generate("p", params())
+
+
+_ORPHAN_SCRIPT = """
+import sys, trio
+from omni_trio import EngineConfig, open_engine
+
+async def main():
+    config = EngineConfig(model="builtin:echo", cache_dir=sys.argv[1], torch_threads=1,
+                          warmup=False)
+    async with open_engine(config, stage="process") as engine:
+        print(engine.pid, flush=True)
+        await trio.sleep_forever()
+
+if __name__ == "__main__":
+    trio.run(main)
+"""
+
+
+def test_a_caller_that_dies_takes_its_stage_with_it(cache_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "caller.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    caller = subprocess.Popen(
+        [sys.executable, str(script), str(cache_dir)], cwd=ROOT, stdout=subprocess.PIPE
+    )
+    try:
+        assert caller.stdout is not None
+        stage_pid = int(caller.stdout.readline())
+        assert alive(stage_pid)
+        caller.kill()
+        caller.wait(timeout=30)
+        # Polled, bounded: the stage notices its socket closed and closes its engine.
+        deadline = time.monotonic() + 30.0
+        while alive(stage_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(stage_pid)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        if caller.stdout is not None:
+            caller.stdout.close()
