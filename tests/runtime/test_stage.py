@@ -32,6 +32,7 @@ from omni_trio._core.lifecycle import RequestStatus
 from omni_trio.models import decode_echo_image
 from omni_trio.runtime import stage as stage_module
 from omni_trio.runtime.stage import StageEngine
+from tests.executors.test_tractor_executor import poll_until
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
 
@@ -81,8 +82,8 @@ def group_members(pgid: int) -> list[int]:
 
 async def until(predicate: Any, what: str) -> None:
     """Poll (bounded by the caller's cap): the stage's process state has no event here."""
-    while not predicate():
-        await trio.sleep(0.02)
+    del what  # (says what is awaited, where it is called)
+    await poll_until(predicate)
 
 
 async def test_outputs_previews_and_seeds_cross_as_the_inline_engine_gives_them(
@@ -126,7 +127,7 @@ async def test_bad_input_is_refused_typed_here_or_on_the_first_read(cache_dir: P
                 engine.stream("p", params(), request_id="dup")
             await slow.aclose()
             # Only the engine knows builtin:echo takes no adapter: typed, on the first read.
-            with pytest.raises(InvalidRequestError, match="LoRA|lora"):
+            with pytest.raises(InvalidRequestError, match=r"LoRA|lora"):
                 await engine.generate("p", params(lora=(("style", 1.0),)))
             assert engine.health().healthy
             assert (await engine.generate("p", params())).ok

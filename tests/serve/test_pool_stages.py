@@ -15,6 +15,7 @@ from omni_trio import EngineConfig, SamplingParams
 from omni_trio.models import decode_echo_image
 from omni_trio.runtime.stage import StageEngine
 from omni_trio.serve.pool import EnginePool
+from tests.executors.test_tractor_executor import poll_until
 from tests.serve.test_pool import final_of, serving
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
@@ -39,8 +40,10 @@ async def test_a_request_on_a_killed_stage_moves_to_the_live_replica(cache_dir: 
             submission = pool.submit("p", ask, request_id="moving")
             victim = engines[submission.replica]
             assert isinstance(victim, StageEngine)
-            while victim.progress(submission.stream.engine_request_id) is None:
-                await trio.sleep(0.02)  # polled, capped: running in the stage
+            # Polled, capped: running in the stage.
+            await poll_until(
+                lambda: victim.progress(submission.stream.engine_request_id) is not None
+            )
             os.kill(victim.pid, signal.SIGKILL)
             output = await final_of(submission)
             assert output.ok, output.error
@@ -48,10 +51,12 @@ async def test_a_request_on_a_killed_stage_moves_to_the_live_replica(cache_dir: 
             assert submission.stream.replica != submission.replica
             assert decode_echo_image(output.images[0]) == ("moving", 42, 0)
             # The dead replica is reopened (a new stage process) and serves again.
-            while pool.replica_engine(submission.replica) in (None, victim) or not (
-                pool.readiness()[0]
-            ):
-                await trio.sleep(0.05)  # polled, capped: the supervisor reopens it
+            await poll_until(
+                lambda: (
+                    pool.replica_engine(submission.replica) not in (None, victim)
+                    and pool.readiness()[0]
+                )
+            )
             again = pool.replica_engine(submission.replica)
             assert isinstance(again, StageEngine) and again.pid != victim.pid
             assert (await final_of(pool.submit("p", ask.replace(num_inference_steps=2)))).ok
