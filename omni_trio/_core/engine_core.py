@@ -102,6 +102,7 @@ __all__ = [
     "WARMUP_REQUEST_ID",
     "WORKER_FAILED",
     "AwaitOutput",
+    "check_admission",
     "CoreConfig",
     "DeliverChunk",
     "DeliverTerminal",
@@ -249,6 +250,114 @@ def _picture_size(
     if width is None:
         return height, max(8, round(image_width * height / image_height) // 8 * 8)
     return height, width
+
+
+def check_admission(
+    request: DiffusionRequest,
+    config: CoreConfig,
+    *,
+    model_info: ModelInfo | None,
+    cost_model: CostModel | None,
+    sleep_state: SleepState,
+    seeds: random.Random,
+) -> DiffusionRequest:
+    """Everything admission checks and fills in but what needs the core's records (the
+    engine being open, a duplicate id): pure, so a caller on the far side of a process
+    boundary (:mod:`omni_trio.runtime.stage`) decides as the core will.  Returns the request
+    with the model's default size and a seed from ``seeds`` when it had none; raises
+    :class:`EngineAsleepError` (``reject_while_asleep``) or :class:`InvalidRequestError`."""
+    if config.reject_while_asleep and sleep_state is not SleepState.AWAKE:
+        raise EngineAsleepError(
+            f"the engine is {sleep_state.value.replace('_', ' ')} and refuses "
+            "requests until it is awake (reject_while_asleep)"
+        )
+    validate_request(request, config.limits)
+    request = _resolve_defaults(request, config, model_info, seeds)
+    _check_cost(request, config, cost_model)
+    if FAULTS_KEY in request.sampling.extra_args:
+        _check_faults(request, config)
+    return request
+
+
+def _resolve_defaults(
+    request: DiffusionRequest,
+    config: CoreConfig,
+    info: ModelInfo | None,
+    seeds: random.Random,
+) -> DiffusionRequest:
+    """Resolving the size here means a request that leaves it unset and one that asks
+    for the default explicitly share a compatibility key."""
+    sp = request.sampling
+    changes: dict[str, Any] = {}
+    lora = canonical_lora(sp.lora)
+    if lora != sp.lora:
+        changes["lora"] = lora
+    if lora and len(lora) > config.max_loras:
+        raise InvalidRequestError(
+            f"{len(lora)} LoRA adapters asked for; at most {config.max_loras} (max_loras) at once",
+            param="lora",
+        )
+    if info is not None:
+        info.check_extra_args(sp.extra_args)
+        info.check_conditioning(sp)
+        info.check_lora(lora, config.lora_names)
+        height, width = sp.height, sp.width
+        picture = image_size(sp.image) if sp.image is not None else None
+        derived = picture is not None and (height is None or width is None)
+        if picture is not None:
+            height, width = _picture_size(picture, height, width)
+        try:
+            height, width = info.resolve_size(height, width)
+        except InvalidRequestError as exc:
+            if not derived or picture is None:
+                raise
+            raise InvalidRequestError(
+                f"{exc} (the size comes from the image, {picture[0]}x{picture[1]}: pass "
+                "height and width, the image is resized to them)",
+                param="image",
+            ) from None
+        if height != sp.height:
+            changes["height"] = height
+        if width != sp.width:
+            changes["width"] = width
+    if sp.seed is None:
+        changes["seed"] = seeds.randrange(2**31)
+    if not changes:
+        return request
+    request = request.replace(sampling=sp.replace(**changes))
+    validate_request(request, config.limits)  # the filled-in size obeys the limits too
+    return request
+
+
+def _check_cost(request: DiffusionRequest, config: CoreConfig, cost: CostModel | None) -> None:
+    """Refuse a request estimated over the compute budget (``RequestTooCostlyError``)."""
+    if cost is None or (config.max_request_s is None and config.max_step_s is None):
+        return
+    sp = request.sampling
+    if sp.height is None or sp.width is None:  # no model info yet: nothing to scale
+        return
+    cost.check(
+        sp.height,
+        sp.width,
+        sp.total_steps,
+        sp.num_outputs_per_prompt,
+        max_request_s=config.max_request_s,
+        max_step_s=config.max_step_s,
+    )
+
+
+def _check_faults(request: DiffusionRequest, config: CoreConfig) -> None:
+    """Fault injection only where the config allows it, and only well-formed."""
+    if not config.fault_injection:
+        raise InvalidRequestError(
+            "extra_args['faults'] asks for fault injection, which this engine does not "
+            "allow (EngineConfig.fault_injection=False)",
+            param="extra_args",
+        )
+    try:
+        parse_faults(request.sampling.extra_args)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="extra_args") from exc
 
 
 class EngineCore:
@@ -496,20 +605,17 @@ class EngineCore:
         longer accepts work.  ``counted=False`` keeps it out of the statistics (warmup).
         """
         self.check_open()
-        if self.config.reject_while_asleep and self.sleep_state is not SleepState.AWAKE:
-            raise EngineAsleepError(
-                f"the engine is {self.sleep_state.value.replace('_', ' ')} and refuses "
-                "requests until it is awake (reject_while_asleep)"
-            )
-        limits = self.config.limits
-        validate_request(request, limits)
-        request = self._resolve_defaults(request)
-        self._check_cost(request)
+        request = check_admission(
+            request,
+            self.config,
+            model_info=self.model_info,
+            cost_model=self.cost_model,
+            sleep_state=self.sleep_state,
+            seeds=self._seeds,
+        )
         rid = request.request_id
         if rid in self._entries:
             raise DuplicateRequestError(rid)
-        if FAULTS_KEY in request.sampling.extra_args:
-            self._check_faults(request)
         state = self.scheduler.add_request(request, now)
         admission = next(self._deadline_seq)
         self._entries[rid] = _Entry(state, counted=counted, admission=admission)
@@ -534,82 +640,6 @@ class EngineCore:
                 },
             )
         return request
-
-    def _resolve_defaults(self, request: DiffusionRequest) -> DiffusionRequest:
-        """Resolving the size here means a request that leaves it unset and one that asks
-        for the default explicitly share a compatibility key."""
-        sp = request.sampling
-        changes: dict[str, Any] = {}
-        info = self.model_info
-        lora = canonical_lora(sp.lora)
-        if lora != sp.lora:
-            changes["lora"] = lora
-        if lora and len(lora) > self.config.max_loras:
-            raise InvalidRequestError(
-                f"{len(lora)} LoRA adapters asked for; at most {self.config.max_loras} "
-                "(max_loras) at once",
-                param="lora",
-            )
-        if info is not None:
-            info.check_extra_args(sp.extra_args)
-            info.check_conditioning(sp)
-            info.check_lora(lora, self.config.lora_names)
-            height, width = sp.height, sp.width
-            picture = image_size(sp.image) if sp.image is not None else None
-            derived = picture is not None and (height is None or width is None)
-            if picture is not None:
-                height, width = _picture_size(picture, height, width)
-            try:
-                height, width = info.resolve_size(height, width)
-            except InvalidRequestError as exc:
-                if not derived or picture is None:
-                    raise
-                raise InvalidRequestError(
-                    f"{exc} (the size comes from the image, {picture[0]}x{picture[1]}: pass "
-                    "height and width, the image is resized to them)",
-                    param="image",
-                ) from None
-            if height != sp.height:
-                changes["height"] = height
-            if width != sp.width:
-                changes["width"] = width
-        if sp.seed is None:
-            changes["seed"] = self._seeds.randrange(2**31)
-        if not changes:
-            return request
-        request = request.replace(sampling=sp.replace(**changes))
-        validate_request(request, self.config.limits)  # the filled-in size obeys the limits too
-        return request
-
-    def _check_cost(self, request: DiffusionRequest) -> None:
-        """Refuse a request estimated over the compute budget (``RequestTooCostlyError``)."""
-        cost, config = self.cost_model, self.config
-        if cost is None or (config.max_request_s is None and config.max_step_s is None):
-            return
-        sp = request.sampling
-        if sp.height is None or sp.width is None:  # no model info yet: nothing to scale
-            return
-        cost.check(
-            sp.height,
-            sp.width,
-            sp.total_steps,
-            sp.num_outputs_per_prompt,
-            max_request_s=config.max_request_s,
-            max_step_s=config.max_step_s,
-        )
-
-    def _check_faults(self, request: DiffusionRequest) -> None:
-        """Fault injection only where the config allows it, and only well-formed."""
-        if not self.config.fault_injection:
-            raise InvalidRequestError(
-                "extra_args['faults'] asks for fault injection, which this engine does not "
-                "allow (EngineConfig.fault_injection=False)",
-                param="extra_args",
-            )
-        try:
-            parse_faults(request.sampling.extra_args)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="extra_args") from exc
 
     # -- execution -----------------------------------------------------------------------
 

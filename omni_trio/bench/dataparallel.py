@@ -15,7 +15,9 @@ seeds):
 ``workers2``    ``serve --backend tractor --workers 2``: two worker processes that both run
                 every wave (a replica group: no extra throughput, the baseline issue #15 names);
 ``dp2``         ``serve --data-parallel 2``: two worker processes, each running its own share
-                of every wave.
+                of every wave;
+``stages2``     ``serve --replicas 2 --stage process``: two engines, each in a stage process of
+                its own (its worker a thread there), behind the daemon's router.
 
 ``--systems`` picks some.  At each ``--concurrency`` (4, 16) every system runs ``--requests``
 (64) requests per round, round after round in turn (limit, inproc, ... limit, inproc ...), so
@@ -25,11 +27,12 @@ system and concurrency: requests/s (min / median / max over rounds), its ratio t
 the rounds and alone on the machine: **cold start** (spawn to the first answer) and, after
 the rounds, **memory** (PSS of the whole process tree, from ``/proc/*/smaps_rollup``).
 
-``--kill-probe S`` (``dp2`` and ``workers2``): at concurrency 4 for S seconds, SIGKILL one
-worker process 1/4 of the way in; reported: requests failed, the first answer after the kill,
-and the longest gap between answers.  Which process is a worker: a descendant of the daemon
-whose command line names tractor's child entry point (``--worker-start-method forkserver``
-starts them from a fork server, also a descendant).
+``--kill-probe S`` (``dp2``, ``workers2`` and ``stages2``): at concurrency 4 for S seconds,
+SIGKILL one worker process 1/4 of the way in; reported: requests failed, the first answer after
+the kill, and the longest gap between answers.  Which process is a worker: a descendant of the
+daemon whose command line names tractor's child entry point (``--worker-start-method
+forkserver`` starts them from a fork server, also a descendant), or a stage process (its
+command line names ``omni_trio.runtime.stage_child``).
 """
 
 from __future__ import annotations
@@ -65,15 +68,18 @@ from .harness import (
 if TYPE_CHECKING:
     import httpx
 
-SYSTEMS = ("limit", "inproc", "replicas2", "workers2", "dp2")
+SYSTEMS = ("limit", "inproc", "replicas2", "workers2", "dp2", "stages2")
 # The daemon flags of each system (beyond model, cache, threads and port).
 SYSTEM_FLAGS: dict[str, tuple[str, ...]] = {
     "inproc": (),
     "replicas2": ("--replicas", "2"),
     "workers2": ("--backend", "tractor", "--workers", "2"),
     "dp2": ("--data-parallel", "2"),
+    "stages2": ("--replicas", "2", "--stage", "process"),
 }
-KILLABLE = ("dp2", "workers2")
+KILLABLE = ("dp2", "workers2", "stages2")
+# The systems whose --worker-start-method applies (tractor worker processes).
+TRACTOR_SYSTEMS = ("dp2", "workers2")
 START_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
 PROMPT = "a red circle"
@@ -106,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="seconds of the SIGKILL probe on dp2/workers2 (default 20; quick 0: off)",
+        help="seconds of the SIGKILL probe on dp2/workers2/stages2 (default 20; quick 0: off)",
     )
     parser.add_argument(
         "--worker-start-method",
@@ -143,15 +149,16 @@ class Daemon:
 
     def worker_pids(self) -> list[int]:
         """Descendants that are tractor worker processes: started as tractor's child entry
-        point, or forked by a fork server (whose own command line names it)."""
+        point, or forked by a fork server (whose own command line names it); or stage
+        processes (each runs its engine's worker)."""
         from ..serve.daemon import descendant_pids
 
         found = []
         for pid in descendant_pids(self.proc.pid):
             cmdline = _cmdline(pid)
-            if "forkserver" in _cmdline(_parent(pid)) or (
-                "tractor" in cmdline and "forkserver" not in cmdline
-            ):
+            stage = "omni_trio.runtime.stage_child" in cmdline
+            forked = "forkserver" in _cmdline(_parent(pid))
+            if stage or forked or ("tractor" in cmdline and "forkserver" not in cmdline):
                 found.append(pid)
         return found
 
@@ -207,7 +214,7 @@ async def _start_daemon(name: str, args: argparse.Namespace, log_dir: Path) -> D
     ]
     if args.cache_dir:
         argv += ["--cache-dir", args.cache_dir]
-    if args.worker_start_method and name in KILLABLE:
+    if args.worker_start_method and name in TRACTOR_SYSTEMS:
         argv += ["--config", str(_start_method_toml(args.worker_start_method, log_dir))]
     env = {k: v for k, v in os.environ.items() if k != "OMNI_TRIO_API_KEY"}
     env.pop("NOTIFY_SOCKET", None)
@@ -598,15 +605,16 @@ def _report(
         results[name] = entry
     results["kill_probe"] = probes
     report.results = results
-    for concurrency in concurrencies:
-        cell = results.get("dp2", {}).get(f"c{concurrency}", {})
-        ratio = cell.get("ratio_to_limit")
-        if ratio is not None:
-            verdict = "meets" if ratio.median >= TARGET_RATIO else "misses"
-            report.notes.append(
-                f"dp2 at c={concurrency}: {ratio.median:.2f} x the limit ({verdict} the "
-                f"{TARGET_RATIO} target)"
-            )
+    for name in ("dp2", "stages2"):
+        for concurrency in concurrencies:
+            cell = results.get(name, {}).get(f"c{concurrency}", {})
+            ratio = cell.get("ratio_to_limit")
+            if ratio is not None:
+                verdict = "meets" if ratio.median >= TARGET_RATIO else "misses"
+                report.notes.append(
+                    f"{name} at c={concurrency}: {ratio.median:.2f} x the limit ({verdict} "
+                    f"the {TARGET_RATIO} target)"
+                )
     for name, probe in probes.items():
         report.notes.append(
             f"kill probe {name}: {probe.get('requests_ok')} answered, failed "

@@ -8,11 +8,13 @@ engine (worker group up, warmup done) -- or its error, raised here.  The caller 
 answers:
 
 * ``stream`` / ``generate`` admit in the child; each output (previews included) crosses as
-  it comes.  The caller checks what it can before anything crosses (the prompt's type, the
-  request limits, a duplicate id of its own, a closed or dead stage) and raises it at once,
-  as the inline engine does; what only the child can judge (the model's limits, the cost
-  budget, adapters) ends the stream by raising the child's error, typed, on its first read.
-  A seed is chosen here when the request has none, so ``stream.seed`` is known at once.
+  it comes.  The caller decides admission first as the core will
+  (:func:`~omni_trio._core.engine_core.check_admission` with the child's latest model info,
+  cost model and sleep state; a duplicate id of its own; a closed or dead stage) and raises
+  at once, as the inline engine does, filling in the size and a seed (``stream.seed`` is
+  known at once); a request that cannot be pickled raises :class:`PayloadError`.  What the
+  child still refuses (its state changed since its last snapshot) ends the stream by
+  raising the child's error, typed, on its first read.
 * Leaving a stream early aborts the request in the child (consumer drop crosses over);
   ``abort`` crosses too, and the terminal output follows from the child.
 * Synchronous accessors (``health``, ``statistics``, ``status``, ``progress``,
@@ -20,7 +22,8 @@ answers:
   after every change (at most every :data:`~.stage_child.STATE_PERIOD_S`); the async control
   calls (``sleep``, ``wake_up``, profiling, ``collective_rpc``, ``worker_leftovers``,
   ``wait_idle``) run in the child and return or raise what the engine there did.
-* A stage process that dies (killed, crashed) is seen at once (its end of the socket
+* A stage process that dies (killed, crashed, or its engine died: the child then ends) is
+  seen at once (its end of the socket
   closes and the process exits): every open stream ends with an ``EngineDeadError``
   output, every control call raises :class:`EngineDeadError`, and so does every later call;
   what is left of its process group (its worker processes) is killed.
@@ -42,6 +45,7 @@ import logging
 import math
 import os
 import pickle
+import random
 import secrets
 import signal
 import socket
@@ -54,11 +58,12 @@ from typing import Any
 
 import trio
 
+from .._core.engine_core import check_admission
 from .._core.health import EngineHealth, EngineState, EngineStatistics
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
 from .._core.model_info import ModelInfo
-from .._core.request import DiffusionRequest, SamplingParams, validate_request
+from .._core.request import DiffusionRequest, SamplingParams
 from ..config import EngineConfig
 from ..errors import (
     DuplicateRequestError,
@@ -66,10 +71,24 @@ from ..errors import (
     EngineDeadError,
     InvalidConfigError,
     InvalidRequestError,
+    PayloadError,
 )
 from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
+from .pictures import canonical_pictures
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, decode_error, frame
+
+
+def _load_error(payload: bytes) -> BaseException:
+    """An error the stage sent (a pickled :class:`WireError`)."""
+    try:
+        record = pickle.loads(payload)
+    except Exception as exc:
+        return PayloadError(f"the stage's error could not be read: {exc}")
+    if not isinstance(record, WireError):
+        return PayloadError(f"the stage sent {type(record).__name__} as an error")
+    return decode_error(record)
+
 
 __all__ = ["STAGES", "StageEngine", "engine_close_bound_s", "open_stage_engine"]
 
@@ -81,6 +100,8 @@ STAGES = ("inline", "process")
 CLOSE_MARGIN_S = 5.0
 TERM_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
+# After the stage process exited: how long what it sent before may still be read.
+DRAIN_S = 1.0
 
 _S = RequestStatus
 
@@ -128,6 +149,17 @@ class _Call:
     value: Any = None
 
 
+@dataclass(eq=False)
+class _Open:
+    """One submission still streaming here (``key``: its number on the wire, so a reused
+    request id never gets another submission's messages)."""
+
+    key: int
+    request_id: str
+    send: trio.MemorySendChannel[DiffusionOutput]
+    stream: weakref.ref[RequestStream]
+
+
 class StageEngine:
     """The caller's side of an engine running in a stage process (see the module doc).
     Every method runs on the caller's trio thread; the synchronous ones never checkpoint."""
@@ -147,14 +179,19 @@ class StageEngine:
         self._reader = reader
         self._model_info = model_info
         self._state = state
-        self._outbox_send, self._outbox = trio.open_memory_channel[tuple[Any, ...]](math.inf)
-        self._sends: dict[str, trio.MemorySendChannel[DiffusionOutput]] = {}
-        self._streams: dict[str, weakref.ref[RequestStream]] = {}
+        self._core_config = config.core_config()
+        # Frames ready to send, in order (each pickled when queued: a message that cannot
+        # be sent is refused to its caller, never found out by the writer).
+        self._outbox_send, self._outbox = trio.open_memory_channel[bytes](math.inf)
+        self._open: dict[int, _Open] = {}  # by wire key
+        self._by_id: dict[str, _Open] = {}  # by request id: the current submission
+        self._keys = itertools.count()
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count()
         self._request_ids = itertools.count()
         self._id_prefix = secrets.token_hex(4)
-        self._seeds = secrets.SystemRandom()
+        self._seeds = random.Random(secrets.randbits(64))
+        self._read_done = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
         self._dead: str | None = None
         self._closing = False
@@ -176,48 +213,74 @@ class StageEngine:
             pass
         except Exception as exc:  # a malformed frame: nothing more can be trusted
             log.exception("stage process sent something unreadable")
-            self._die(f"the stage connection broke: {type(exc).__name__}: {exc}")
+            self._die(f"the stage connection broke: {type(exc).__name__}: {exc}", kill=True)
+        finally:
+            self._read_done.set()
         if not self._closed_ack.is_set():
-            self._die(self._exit_text("closed its connection"))
+            self._die(self._exit_text("closed its connection"), kill=True)
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "out":
-            _, rid, output = message
-            send = self._sends.get(rid)
-            if send is None:
+            _, key, payload = message
+            entry = self._open.get(key)
+            if entry is None:
                 return  # the consumer left, or the stage ended it here already
+            try:
+                output: DiffusionOutput = pickle.loads(payload)
+            except Exception as exc:
+                output = DiffusionOutput(
+                    entry.request_id,
+                    _S.FINISHED_ERROR,
+                    error=f"the stage's output could not be read here: {type(exc).__name__}: {exc}",
+                    error_type="PayloadError",
+                )
+                self._post(("gone", key))  # (the request is aborted there if it still runs)
             if output.finished:
-                del self._sends[rid]
-                self._streams.pop(rid, None)
-                self._deliver(send, output)
-                send.close()
+                self._forget(entry)
+                self._deliver(entry.send, output)
+                entry.send.close()
             else:
-                self._deliver(send, output)
+                self._deliver(entry.send, output)
         elif kind == "rejected":
-            _, rid, error = message
-            send = self._sends.pop(rid, None)
-            ref = self._streams.pop(rid, None)
-            stream = ref() if ref is not None else None
+            _, key, error = message
+            entry = self._open.get(key)
+            if entry is None:
+                return
+            self._forget(entry)
+            stream = entry.stream()
             if stream is not None:
-                stream.fail_with(decode_error(error))
-            if send is not None:
-                send.close()
+                stream.fail_with(_load_error(error))
+            entry.send.close()
         elif kind == "reply":
-            _, call_id, ok, value = message
+            _, call_id, ok, payload = message
             call = self._calls.pop(call_id, None)
-            if call is not None:
-                call.ok = ok
-                call.value = decode_error(value) if not ok else value
-                call.done.set()
+            if call is None:
+                return
+            try:
+                value = pickle.loads(payload) if ok else _load_error(payload)
+            except Exception as exc:
+                ok, value = False, PayloadError(f"the stage's answer could not be read: {exc}")
+            call.ok, call.value = ok, value
+            call.done.set()
         elif kind == "state":
-            self._state = message[1]
-            self._model_info = self._state.get("model_info") or self._model_info
+            self._on_state(message[1])
         elif kind == "closed":
-            self._state = message[1]
+            self._on_state(message[1])
             self._closed_ack.set()
         else:
             raise ValueError(f"unknown stage message {kind!r}")
+
+    def _on_state(self, state: dict[str, Any]) -> None:
+        self._state = state
+        self._model_info = state.get("model_info") or self._model_info
+        if state.get("dead"):  # the engine there died (the stage process then ends)
+            self._die(f"the stage's engine died: {state['health'].reason}")
+
+    def _forget(self, entry: _Open) -> None:
+        self._open.pop(entry.key, None)
+        if self._by_id.get(entry.request_id) is entry:
+            del self._by_id[entry.request_id]
 
     @staticmethod
     def _deliver(send: trio.MemorySendChannel[DiffusionOutput], output: DiffusionOutput) -> None:
@@ -232,17 +295,22 @@ class StageEngine:
         engine still gets its ``close`` across (a stage that never reads it is killed)."""
         with trio.CancelScope(shield=True):
             async with self._outbox:
-                async for message in self._outbox:
+                async for data in self._outbox:
                     try:
-                        await self._connection.send_all(frame(message))
+                        await self._connection.send_all(data)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         return
 
     async def _watch_process(self) -> None:
         await self._process.wait()
+        # What it sent before it ended is read first (a result that made it across is
+        # delivered), within a bound.
+        with trio.move_on_after(DRAIN_S):
+            await self._read_done.wait()
         if not self._closing:
             self._die(self._exit_text("exited"))
-        _kill_group(self._process.pid)  # its workers, if it left any
+        if self._process.returncode != 0:
+            _kill_group(self._process.pid)  # its workers, if it left any
 
     def _exit_text(self, what: str) -> str:
         code = self._process.returncode
@@ -256,13 +324,17 @@ class StageEngine:
             return f"the stage process {self._process.pid} {what} (killed by {name})"
         return f"the stage process {self._process.pid} {what} (exit code {code})"
 
-    def _post(self, message: tuple[Any, ...]) -> None:
+    def _post(self, message: tuple[Any, ...] | bytes) -> None:
+        """Queue a message (or a frame made already) for the writer."""
+        data = message if isinstance(message, bytes) else frame(message)
         try:
-            self._outbox_send.send_nowait(message)
+            self._outbox_send.send_nowait(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, *, kill: bool = False) -> None:
+        """The stage is gone for this caller: end everything here.  ``kill``: the process
+        may still run (its connection broke): end it and its process group now."""
         if self._dead is not None or self._closing:
             return
         self._dead = reason
@@ -270,13 +342,17 @@ class StageEngine:
         self._end_streams(_S.FINISHED_ERROR, f"engine died: {reason}", "EngineDeadError")
         self._fail_calls(EngineDeadError(f"engine died: {reason}"))
         self._ended.set()
+        if kill and self._process.returncode is None:
+            _kill_group(self._process.pid)
+            self._process.kill()
 
     def _end_streams(self, status: RequestStatus, message: str, error_type: str) -> None:
-        sends, self._sends = self._sends, {}
-        self._streams.clear()
-        for rid, send in sends.items():
-            self._deliver(send, DiffusionOutput(rid, status, error=message, error_type=error_type))
-            send.close()
+        entries, self._open = self._open, {}
+        self._by_id.clear()
+        for entry in entries.values():
+            output = DiffusionOutput(entry.request_id, status, error=message, error_type=error_type)
+            self._deliver(entry.send, output)
+            entry.send.close()
 
     def _fail_calls(self, error: BaseException) -> None:
         calls, self._calls = self._calls, {}
@@ -327,39 +403,54 @@ class StageEngine:
             )
         if not request.request_id:
             request = request.replace(request_id=f"req-{self._id_prefix}-{next(self._request_ids)}")
-        validate_request(request, self.config.request_limits)
+        sampling = request.sampling
+        if isinstance(sampling, SamplingParams) and sampling.image is not None:
+            request = request.replace(sampling=canonical_pictures(sampling))
+        stats: EngineStatistics = self._state["statistics"]
+        request = check_admission(
+            request,
+            self._core_config,
+            model_info=self._model_info,
+            cost_model=self._state.get("cost_model"),
+            sleep_state=stats.sleep_state,
+            seeds=self._seeds,
+        )
         rid = request.request_id
-        if rid in self._sends:
+        if rid in self._by_id:
             raise DuplicateRequestError(rid)
-        if request.sampling.seed is None:
-            request = request.replace(
-                sampling=request.sampling.replace(seed=self._seeds.randrange(2**31))
-            )
+        key = next(self._keys)
+        try:
+            data = frame(("submit", key, rid, pickle.dumps(request, pickle.HIGHEST_PROTOCOL)))
+        except Exception as exc:
+            raise PayloadError(
+                f"the request cannot be sent to the stage process: {type(exc).__name__}: {exc}"
+            ) from exc
         send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
         stream = RequestStream(
             rid,
             request.sampling.seed,
             receive,
-            functools.partial(self._gone, send),
-            functools.partial(self._dropped, send),
+            functools.partial(self._gone, key),
+            functools.partial(self._dropped, key),
         )
-        self._sends[rid] = send
-        self._streams[rid] = weakref.ref(stream)
-        self._post(("submit", rid, request, None))
+        entry = _Open(key, rid, send, weakref.ref(stream))
+        self._open[key] = entry
+        self._by_id[rid] = entry
+        self._post(data)
         return stream
 
-    def _gone(self, send: trio.MemorySendChannel[DiffusionOutput], rid: str) -> None:
-        if self._sends.get(rid) is not send:
-            return  # already ended, or a stale stream of a reused id
-        del self._sends[rid]
-        self._streams.pop(rid, None)
-        send.close()
-        self._post(("gone", rid))
+    def _gone(self, key: int, rid: str) -> None:
+        entry = self._open.get(key)
+        if entry is None:
+            return  # already ended
+        self._forget(entry)
+        entry.send.close()
+        self._post(("gone", key))
 
-    def _dropped(self, send: trio.MemorySendChannel[DiffusionOutput], rid: str) -> None:
+    def _dropped(self, key: int, rid: str) -> None:
         # Finalized unread, from any thread at any moment: act on the loop's next turn.
         try:
-            self._token.run_sync_soon(self._gone, send, rid)
+            self._token.run_sync_soon(self._gone, key, rid)
         except trio.RunFinishedError:
             pass
 
@@ -390,14 +481,25 @@ class StageEngine:
 
     # -- control calls ---------------------------------------------------------------------
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, method: str, *args: Any, _shield: bool = False, **kwargs: Any) -> Any:
+        """Run ``method`` on the stage's engine.  Cancelled, the caller stops waiting
+        (``_shield``: once asked, the answer is awaited, as the engine's own sleep and wake
+        do); the stage dying or closing ends the wait with its error."""
         self._check_open()
         call_id = next(self._call_ids)
+        try:
+            data = frame(("call", call_id, method, pickle.dumps((args, kwargs))))
+        except Exception as exc:
+            raise PayloadError(
+                f"the arguments of {method!r} cannot be sent to the stage process: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         call = _Call()
         self._calls[call_id] = call
-        self._post(("call", call_id, method, args, kwargs))
+        self._post(data)
         try:
-            await call.done.wait()
+            with trio.CancelScope(shield=_shield):
+                await call.done.wait()
         finally:
             self._calls.pop(call_id, None)
         if not call.ok:
@@ -425,12 +527,12 @@ class StageEngine:
 
     async def sleep(self, level: int = 1) -> list[dict[str, Any]]:
         """``AsyncEngine.sleep`` in the stage."""
-        result: list[dict[str, Any]] = await self._call("sleep", level)
+        result: list[dict[str, Any]] = await self._call("sleep", level, _shield=True)
         return result
 
     async def wake_up(self) -> list[dict[str, Any]]:
         """``AsyncEngine.wake_up`` in the stage."""
-        result: list[dict[str, Any]] = await self._call("wake_up")
+        result: list[dict[str, Any]] = await self._call("wake_up", _shield=True)
         return result
 
     async def start_profile(
@@ -455,7 +557,7 @@ class StageEngine:
         (``AsyncEngine.wait_idle`` there).  Unbounded; cancelling it is harmless."""
         while True:
             await self._call("wait_idle")
-            if not self._sends and not self._calls:
+            if not self._open and not self._calls:
                 return
             await trio.sleep(0.01)  # outputs still crossing: look again
 
@@ -526,7 +628,7 @@ class StageEngine:
         if known is not None:
             status: RequestStatus | None = known[0]
             return status
-        return _S.WAITING if request_id in self._sends else None
+        return _S.WAITING if request_id in self._by_id else None
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         known = self._state["requests"].get(request_id)
@@ -539,13 +641,13 @@ class StageEngine:
     def is_idle(self) -> bool:
         if self._dead is not None or self._closing:
             return True
-        return not self._sends and not self._calls and bool(self._state.get("idle"))
+        return not self._open and not self._calls and bool(self._state.get("idle"))
 
     def leftovers(self) -> dict[str, set[str]]:
         """What the stage's engine held at its latest snapshot, plus this side's open
         streams (``stage_streams``) and control calls (``stage_calls``)."""
         held: dict[str, set[str]] = {k: set(v) for k, v in self._state["leftovers"].items()}
-        held["stage_streams"] = set(self._sends)
+        held["stage_streams"] = set(self._by_id)
         held["stage_calls"] = {str(call_id) for call_id in self._calls}
         return held
 
@@ -588,7 +690,8 @@ class StageEngine:
             process.terminate()
             with trio.move_on_after(TERM_GRACE_S):
                 await process.wait()
-        _kill_group(process.pid)
+        if process.returncode != 0:
+            _kill_group(process.pid)  # what is left of its group (its workers)
         if process.returncode is None:
             process.kill()
             with trio.move_on_after(KILL_GRACE_S):

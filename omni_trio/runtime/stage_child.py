@@ -8,21 +8,29 @@ Run as ``python -m omni_trio.runtime.stage_child FD`` by :func:`.stage.open_stag
 either way, so no worker of it outlives its caller.  Every ``submit`` becomes a stream whose
 outputs go back as they come; ``gone`` leaves that stream (the request is aborted, as for a
 consumer that left); a ``state`` snapshot (health, statistics, each request's status,
-progress and queue position) follows every change, at most every :data:`STATE_PERIOD_S`.
+progress and queue position) follows every change, at most every :data:`STATE_PERIOD_S`,
+and always precedes a terminal output and a call's answer.  An engine that dies here (not
+closed) is reported in a last snapshot and ends the session: this process then exits, so
+its caller sees a dead stage at once.  A request, output, argument or value that cannot be
+(un)pickled fails its own request or call only.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import pickle
 import socket
 import sys
 from typing import Any
 
 import trio
 
+from .._core.lifecycle import RequestStatus
+from .._core.messages import DiffusionOutput
+from .._core.request import DiffusionRequest
 from ..config import EngineConfig
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, PayloadError
 from .engine import AsyncEngine, open_engine
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, encode_error, frame
@@ -65,6 +73,7 @@ def snapshot(engine: AsyncEngine, request_ids: set[str]) -> dict[str, Any]:
         "closed": engine.is_closed,
         "dead": engine.is_dead,
         "model_info": engine.model_info,
+        "cost_model": engine.core.cost_model,
         "leftovers": engine.leftovers(),
         "requests": {
             rid: (engine.status(rid), engine.progress(rid), engine.queue_position(rid))
@@ -74,58 +83,100 @@ def snapshot(engine: AsyncEngine, request_ids: set[str]) -> dict[str, Any]:
 
 
 class _Session:
-    """One engine and the caller's streams on it (all on this process's trio thread)."""
+    """One engine and the caller's submissions on it (all on this process's trio thread)."""
 
     def __init__(self, engine: AsyncEngine, send: trio.MemorySendChannel[tuple[Any, ...]]) -> None:
         self.engine = engine
         self.send = send
-        self.streams: dict[str, trio.CancelScope] = {}
+        # wire key -> (request id, the scope of the task forwarding its outputs)
+        self.streams: dict[int, tuple[str, trio.CancelScope]] = {}
         self.changed = trio.Event()
 
     def post(self, message: tuple[Any, ...]) -> None:
-        self.send.send_nowait(message)
+        _post(self.send, message)
 
-    def submit(self, nursery: trio.Nursery, rid: str, prompt: Any, params: Any) -> None:
+    def request_ids(self) -> set[str]:
+        return {rid for rid, _ in self.streams.values()}
+
+    def post_state(self) -> None:
+        self.post(("state", snapshot(self.engine, self.request_ids())))
+
+    def submit(self, nursery: trio.Nursery, key: int, rid: str, payload: bytes) -> None:
         try:
-            stream = self.engine.stream(prompt, params, request_id=rid)
+            request = pickle.loads(payload)
+            if not isinstance(request, DiffusionRequest):
+                raise TypeError(f"a {type(request).__name__}, not a DiffusionRequest")
         except Exception as exc:
-            self.post(("rejected", rid, encode_error(exc)))
+            error: BaseException = PayloadError(
+                f"the request could not be read in the stage process: {type(exc).__name__}: {exc}"
+            )
+            self.post(("rejected", key, _dump_error(error)))
+            return
+        try:
+            stream = self.engine.stream(request, None, request_id=rid)
+        except Exception as exc:
+            self.post(("rejected", key, _dump_error(exc)))
             return
         scope = trio.CancelScope()
-        self.streams[rid] = scope
+        self.streams[key] = (rid, scope)
         self.changed.set()
-        nursery.start_soon(self._forward, rid, stream, scope)
+        nursery.start_soon(self._forward, key, rid, stream, scope)
 
-    async def _forward(self, rid: str, stream: RequestStream, scope: trio.CancelScope) -> None:
+    async def _forward(
+        self, key: int, rid: str, stream: RequestStream, scope: trio.CancelScope
+    ) -> None:
         try:
             with scope:
                 async with stream:
                     async for output in stream:
                         if output.finished:  # what the caller reads next agrees with it
-                            self.post(("state", snapshot(self.engine, set(self.streams))))
-                        self.post(("out", rid, output))
+                            self.post_state()
+                        try:
+                            payload = pickle.dumps(output, pickle.HIGHEST_PROTOCOL)
+                        except Exception as exc:
+                            # Its output cannot cross: the request ends here, with that error.
+                            payload = pickle.dumps(_unsendable(rid, exc))
+                            self.post(("out", key, payload))
+                            if not output.finished:
+                                self.engine.abort(rid)
+                            return
+                        self.post(("out", key, payload))
                         self.changed.set()
         finally:
-            if self.streams.get(rid) is scope:
-                del self.streams[rid]
+            self.streams.pop(key, None)
             self.changed.set()
 
-    def gone(self, rid: str) -> None:
-        scope = self.streams.get(rid)
-        if scope is not None:
+    def gone(self, key: int) -> None:
+        """The caller's consumer left: abort at once, as the engine does for its own."""
+        entry = self.streams.pop(key, None)
+        if entry is not None:
+            rid, scope = entry
+            self.engine.abort(rid)
             scope.cancel()
+            self.changed.set()
 
-    async def call(self, call_id: int, method: str, args: Any, kwargs: Any) -> None:
+    async def call(self, call_id: int, method: str, payload: bytes) -> None:
         try:
             if method not in CALLS:
                 raise InvalidConfigError(f"a stage does not run {method!r}")
+            try:
+                args, kwargs = pickle.loads(payload)
+            except Exception as exc:
+                raise PayloadError(
+                    f"the arguments of {method!r} could not be read in the stage process: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             result = await getattr(self.engine, method)(*args, **kwargs)
+            try:
+                reply: tuple[Any, ...] = ("reply", call_id, True, pickle.dumps(result))
+            except Exception as exc:
+                raise PayloadError(
+                    f"the value of {method!r} cannot be sent back: {type(exc).__name__}: {exc}"
+                ) from exc
         except Exception as exc:
-            reply: tuple[Any, ...] = ("reply", call_id, False, encode_error(exc))
-        else:
-            reply = ("reply", call_id, True, result)
+            reply = ("reply", call_id, False, _dump_error(exc))
         # What the caller reads once the call returned agrees with it.
-        self.post(("state", snapshot(self.engine, set(self.streams))))
+        self.post_state()
         self.post(reply)
         self.changed.set()
 
@@ -135,31 +186,64 @@ class _Session:
             with trio.move_on_after(STATE_PERIOD_S):
                 await self.changed.wait()
             self.changed = trio.Event()
-            state = snapshot(self.engine, set(self.streams))
+            state = snapshot(self.engine, self.request_ids())
             if state != last:
                 self.post(("state", state))
                 last = state
             await trio.sleep(STATE_PERIOD_S)
 
+    async def watch_engine(self, session_scope: trio.CancelScope) -> None:
+        """The engine died (not closed): say so and end the session, so this process ends
+        and its caller sees a dead stage at once."""
+        await self.engine.wait_ended()
+        if self.engine.is_dead:
+            self.post_state()
+            session_scope.cancel()
+
+
+def _post(send: trio.MemorySendChannel[tuple[Any, ...]], message: tuple[Any, ...]) -> None:
+    """Queue ``message`` for the writer (dropped once the caller is gone)."""
+    try:
+        send.send_nowait(message)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+def _dump_error(exc: BaseException) -> bytes:
+    try:
+        return pickle.dumps(encode_error(exc))
+    except Exception:  # pragma: no cover - encode_error keeps only what pickles
+        return pickle.dumps(encode_error(RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+def _unsendable(rid: str, exc: BaseException) -> DiffusionOutput:
+    return DiffusionOutput(
+        rid,
+        RequestStatus.FINISHED_ERROR,
+        error=f"the output cannot be sent to the caller: {type(exc).__name__}: {exc}",
+        error_type="PayloadError",
+    )
+
 
 async def _serve_session(session: _Session, reader: FrameReader) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.push_state)
+        nursery.start_soon(session.watch_engine, nursery.cancel_scope)
         while True:
             message = await reader.receive()
             if message is None or message[0] == "close":
                 break
             kind = message[0]
             if kind == "submit":
-                _, rid, prompt, params = message
-                session.submit(nursery, rid, prompt, params)
+                _, key, rid, payload = message
+                session.submit(nursery, key, rid, payload)
             elif kind == "abort":
                 session.engine.abort(*message[1])
             elif kind == "gone":
                 session.gone(message[1])
             elif kind == "call":
-                _, call_id, method, args, kwargs = message
-                nursery.start_soon(session.call, call_id, method, args, kwargs)
+                _, call_id, method, payload = message
+                nursery.start_soon(session.call, call_id, method, payload)
             else:
                 raise ValueError(f"unknown stage message {kind!r}")
         nursery.cancel_scope.cancel()
@@ -194,15 +278,15 @@ async def serve_stage(sock: socket.socket) -> None:
             try:
                 async with open_engine(config) as engine:
                     opened.append(engine)
-                    send.send_nowait(("ready", engine.model_info, snapshot(engine, set())))
+                    _post(send, ("ready", engine.model_info, snapshot(engine, set())))
                     await _serve_session(_Session(engine, send), reader)
                     # (Leaving the block closes the engine: it ends what still runs.)
             except Exception as exc:
                 if opened:
                     raise
-                send.send_nowait(("failed", encode_error(exc)))
+                _post(send, ("failed", encode_error(exc)))
                 return
-            send.send_nowait(("closed", snapshot(opened[0], set())))
+            _post(send, ("closed", snapshot(opened[0], set())))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,12 +9,19 @@ same type, same message, same attributes.
 
 Messages are tuples whose first item names them:
 
-* caller -> stage: ``("open", config)`` once, first; ``("submit", request_id, prompt,
-  params)``; ``("abort", ids)``; ``("gone", request_id)`` (the consumer left its stream);
-  ``("call", call_id, method, args, kwargs)``; ``("close",)``.
+* caller -> stage: ``("open", config)`` once, first; ``("submit", key, request_id,
+  request)``; ``("abort", ids)``; ``("gone", key)`` (the consumer left its stream);
+  ``("call", call_id, method, (args, kwargs))``; ``("close",)``.
 * stage -> caller: ``("ready", model_info, snapshot)`` or ``("failed", error)`` once, first;
-  ``("rejected", request_id, error)``; ``("out", request_id, output)``; ``("reply",
-  call_id, ok, value_or_error)``; ``("state", snapshot)``; ``("closed", snapshot)`` last.
+  ``("rejected", key, error)``; ``("out", key, output)``; ``("reply", call_id, ok,
+  value_or_error)``; ``("state", snapshot)``; ``("closed", snapshot)`` last.
+
+``key`` numbers a submission (a request id may be used again once its request ended, and a
+late message of the old one must never reach the new one).  What the user gave or the model
+made (``request``, ``output``, the call's arguments, its value or error) travels as bytes
+pickled on their own, inside the frame: what cannot be pickled is refused to its one request
+or call where it is made, and what cannot be unpickled on the other side fails only that
+request or call, never the connection.
 """
 
 from __future__ import annotations
@@ -86,8 +93,11 @@ def decode_error(record: WireError) -> BaseException:
 
 
 def frame(message: tuple[Any, ...]) -> bytes:
-    """One message as the bytes of its frame."""
+    """One message as the bytes of its frame; raises what pickling raised, or ``ValueError``
+    past :data:`MAX_FRAME`."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"a message of {len(body)} bytes (at most {MAX_FRAME})")
     return _HEADER.pack(len(body)) + body
 
 

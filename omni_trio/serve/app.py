@@ -91,6 +91,7 @@ from ..errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
+    OmniTrioError,
 )
 from .api_spec import openapi_document
 from .config import MIB
@@ -1338,8 +1339,18 @@ class ImagesApp:
             return self.pool.submit(
                 parsed.prompt, parsed.params, request_id=ex.request_id, owner=ex.owner
             )
+        except OmniTrioError as exc:
+            raise self._refusal(ex, exc) from exc
+
+    def _refusal(self, ex: _Exchange, error: OmniTrioError) -> ApiError:
+        """The answer for a request refused at admission: by the pool (at submit), or by a
+        stage process's engine (on the stream's first read: its state changed since the
+        snapshot the pool's admission used).  Raises ``error`` again when it is not a
+        refusal."""
+        try:
+            raise error
         except DuplicateRequestError:
-            raise ApiError(
+            return ApiError(
                 409,
                 f"a request with id {ex.request_id!r} is already in flight",
                 param="X-Request-Id",
@@ -1351,9 +1362,9 @@ class ImagesApp:
             param = _ENGINE_PARAMS.get(exc.param or "", exc.param)
             # RequestTooCostlyError says "request_too_costly"; the others are plain values.
             code = getattr(exc, "code", None) or "invalid_value"
-            raise ApiError(400, str(exc), param=param, code=code)
+            return ApiError(400, str(exc), param=param, code=code)
         except QueueFullError as exc:
-            raise ApiError(
+            return ApiError(
                 429,
                 str(exc),
                 type="rate_limit_error",
@@ -1363,7 +1374,7 @@ class ImagesApp:
         except QueueWaitError as exc:
             # Come back when the queue is short enough: its excess at the measured rate.
             wait = clamp_retry_after(exc.estimate_s - exc.limit_s)
-            raise ApiError(
+            return ApiError(
                 503,
                 str(exc),
                 type="server_error",
@@ -1372,21 +1383,21 @@ class ImagesApp:
                 headers=_retry_after(wait),
             )
         except DrainingError as exc:
-            raise _unavailable(str(exc), "draining", self.pool.restart_retry_after_s())
+            return _unavailable(str(exc), "draining", self.pool.restart_retry_after_s())
         except NotReadyError as exc:
-            raise _unavailable(
+            return _unavailable(
                 f"not ready: {exc}", "not_ready", self.pool.unavailable_retry_after_s()
             )
         except EngineAsleepError as exc:
-            raise _unavailable(str(exc), "engine_asleep", self.pool.unavailable_retry_after_s())
+            return _unavailable(str(exc), "engine_asleep", self.pool.unavailable_retry_after_s())
         except EngineDeadError:
-            raise _unavailable(
+            return _unavailable(
                 "the engine is dead; the server is restarting",
                 "engine_dead",
                 self.pool.restart_retry_after_s(),
             )
         except EngineClosedError:
-            raise _unavailable(
+            return _unavailable(
                 "the engine is closed", "engine_closed", self.pool.restart_retry_after_s()
             )
 
@@ -1612,11 +1623,16 @@ class ImagesApp:
             if on_tick is not None:
                 nursery.start_soon(tick)
             with trio.move_on_after(timeout) as timer:
-                async for output in stream:
-                    if output.finished:
-                        final = output
-                    elif on_chunk is not None:
-                        await on_chunk(output)
+                try:
+                    async for output in stream:
+                        if output.finished:
+                            final = output
+                        elif on_chunk is not None:
+                            await on_chunk(output)
+                except OmniTrioError as exc:
+                    # A stage process's engine refused it after all (no chunk was read: a
+                    # refusal ends the stream before any): answered as at admission.
+                    raise self._refusal(ex, exc) from exc
             nursery.cancel_scope.cancel()
         if final is not None:
             return final

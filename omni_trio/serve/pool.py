@@ -243,8 +243,10 @@ class PooledStream:
         public_id: str | None = None,
         owner: str = "",
         move: Callable[[PooledStream], RequestStream | None] | None = None,
+        priority: int = 0,
     ) -> None:
         self._inner = inner
+        self.priority = priority  # its SamplingParams.priority (the pool's wait estimate)
         self._move = move
         self._started = False  # a chunk reached the consumer: it can no longer move
         self.moves = 0  # times it moved to another replica after its own died
@@ -284,26 +286,37 @@ class PooledStream:
         while True:
             try:
                 output = await self._inner.__anext__()
+            except EngineDeadError:
+                # Refused by an engine that had died (a stage process's, seen late).
+                moved = self._move_after_death()
+                if moved is None:
+                    self._release()
+                    raise
+                self._inner = moved
+                continue
             except BaseException:
                 self._release()
                 raise
-            if (
-                output.finished
-                and output.error_type == "EngineDeadError"
-                and not self._started
-                and self.abort_reason is None
-                and self._move is not None
-            ):
-                moved = self._move(self)
+            if output.finished and output.error_type == "EngineDeadError" and not self._started:
+                moved = self._move_after_death()
                 if moved is not None:
                     self._inner = moved
-                    self.moves += 1
                     continue
             self._started = True
             if output.finished:
                 self.completed = output.ok
                 self._release()
             return output
+
+    def _move_after_death(self) -> RequestStream | None:
+        """The request's engine died before any chunk reached the consumer: the stream of
+        the same request admitted on another replica, or None."""
+        if self._started or self.abort_reason is not None or self._move is None:
+            return None
+        moved = self._move(self)
+        if moved is not None:
+            self.moves += 1
+        return moved
 
     async def aclose(self) -> None:
         """Stop consuming: aborts the request if it has not ended; releases its slot."""
@@ -749,6 +762,7 @@ class EnginePool:
             public_id=public,
             owner=owner,
             move=partial(self._move_elsewhere, prompt, params.replace(seed=inner.seed)),
+            priority=params.priority,
         )
         self._active[rid] = stream
         wait = self.restart_wait_s
@@ -840,13 +854,15 @@ class EnginePool:
     def _check_queue_wait(self, params: SamplingParams) -> None:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
         whose estimated finish (that wait plus one service time) exceeds its own deadline
-        (:class:`QueueWaitError`); nothing is checked before a rate is measured."""
+        (:class:`QueueWaitError`); nothing is checked before a rate is measured.  The wait
+        is the requests it would wait for (:meth:`_ahead_of`: under ``priority``, not the
+        waiting ones it passes) at the measured service rate."""
         if params.deadline_s is None and self.max_queue_wait_s is None:
             return
         rate = self.service_rate()
         if rate is None:
             return
-        wait = len(self._active) / rate
+        wait = self._ahead_of(params) / rate
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
         # Its deadline covers its own run too: one more service time at the same rate.
@@ -855,6 +871,26 @@ class EnginePool:
             raise QueueWaitError(
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
+
+    def _ahead_of(self, params: SamplingParams) -> int:
+        """The requests in flight that a request with ``params`` admitted now would wait
+        for: all of them, except under ``scheduling_policy="priority"``, where a waiting
+        request of a worse (higher) priority does not hold it up: only the requests of a
+        better or equal priority, and those already running."""
+        if self.engine_config.scheduling_policy != "priority":
+            return len(self._active)
+        ahead = 0
+        for stream in self._active.values():
+            if stream.priority <= params.priority:
+                ahead += 1
+                continue
+            engine = self._replicas[stream.replica].engine
+            if (
+                engine is not None
+                and engine.status(stream.engine_request_id) is not RequestStatus.WAITING
+            ):
+                ahead += 1  # running (or packing): it holds a slot until it ends
+        return ahead
 
     def _move_elsewhere(
         self, prompt: str, params: SamplingParams, stream: PooledStream

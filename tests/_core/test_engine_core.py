@@ -1036,3 +1036,39 @@ def test_a_model_that_cannot_apply_lora_refuses_it_at_admission() -> None:
         admit(core, "r", lora="outline")
     assert info.value.param == "lora"
     admit(core, "r")  # without one it is admitted
+
+
+def test_check_admission_decides_as_admit_does_without_the_core() -> None:
+    """The pure admission a process-backed stage's caller runs: the model's default size and
+    a seed filled in, the limits and reject_while_asleep enforced, nothing recorded."""
+    import random
+
+    from omni_trio._core.engine_core import check_admission
+    from omni_trio._core.health import SleepState
+    from omni_trio.errors import EngineAsleepError
+
+    config = CoreConfig(limits=RequestLimits(max_steps=10), reject_while_asleep=True)
+    request = DiffusionRequest("p", SamplingParams(num_inference_steps=4), "r1")
+
+    def check(request: DiffusionRequest, sleep: SleepState = SleepState.AWAKE) -> Any:
+        return check_admission(
+            request,
+            config,
+            model_info=INFO,
+            cost_model=None,
+            sleep_state=sleep,
+            seeds=random.Random(0),
+        )
+
+    checked = check(request)
+    assert (checked.sampling.height, checked.sampling.width) == (48, 64)
+    assert checked.sampling.seed == random.Random(0).randrange(2**31)
+    # The core's admit fills in the same (its seeds drawn from its own generator).
+    core = EngineCore(config)
+    core.group_started(INFO, 0.0)
+    admitted = core.admit(request, 0.0)
+    assert (admitted.sampling.height, admitted.sampling.width) == (48, 64)
+    with pytest.raises(InvalidRequestError, match="num_inference_steps"):
+        check(request.replace(sampling=SamplingParams(num_inference_steps=11)))
+    with pytest.raises(EngineAsleepError):
+        check(request, SleepState.ASLEEP)

@@ -34,7 +34,8 @@ def test_a_quick_run_gives_a_complete_report(tmp_path: Path, cache_dir: Path) ->
     full = [
         "bench", "dataparallel", "--quick", "--no-progress", "--json", str(target),
         "--model", "builtin:echo", "--steps", "2", "--requests", "4",
-        "--systems", "limit,inproc,dp2", "--kill-probe", "5", "--cache-dir", str(cache_dir),
+        "--systems", "limit,inproc,dp2,stages2", "--kill-probe", "5",
+        "--cache-dir", str(cache_dir),
         "--worker-start-method", "forkserver",
     ]  # fmt: skip
     lines: list[str] = []
@@ -44,8 +45,8 @@ def test_a_quick_run_gives_a_complete_report(tmp_path: Path, cache_dir: Path) ->
     data = json.loads(target.read_text())
     assert data["experiment"] == "dataparallel"
     results = data["results"]
-    assert set(results) == {"limit", "inproc", "dp2", "kill_probe"}
-    for name in ("limit", "inproc", "dp2"):
+    assert set(results) == {"limit", "inproc", "dp2", "stages2", "kill_probe"}
+    for name in ("limit", "inproc", "dp2", "stages2"):
         entry = results[name]
         assert entry["cold_start_s"] > 0 and entry["pss_mib"] > 0
         cell = entry["c4"]
@@ -53,9 +54,12 @@ def test_a_quick_run_gives_a_complete_report(tmp_path: Path, cache_dir: Path) ->
         if name != "limit":
             assert cell["ratio_to_limit"]["median"] > 0
             assert cell["latency_ms"]["n"] == 4  # every request answered and timed
-    probe = results["kill_probe"]["dp2"]
-    assert probe["killed_pid"] > 0 and probe["requests_ok"] >= 1
-    assert probe["first_answer_after_kill_s"] is not None  # it served again after the kill
-    assert probe["longest_gap_s"] >= probe["first_answer_after_kill_s"] > 0
-    assert "dp2 at c=4" in out and "kill probe dp2" in out
-    assert [r["system"] for r in data["rows"]] == ["limit", "inproc", "dp2"]
+    for name in ("dp2", "stages2"):
+        probe = results["kill_probe"][name]
+        assert probe["killed_pid"] > 0 and probe["requests_ok"] >= 1
+        assert probe["first_answer_after_kill_s"] is not None  # it served again after the kill
+        assert probe["longest_gap_s"] >= probe["first_answer_after_kill_s"] > 0
+        assert f"{name} at c=4" in out and f"kill probe {name}" in out
+    # A stage killed: the other replica answers on, its requests moved there; none failed.
+    assert results["kill_probe"]["stages2"]["requests_failed"] == {}
+    assert [r["system"] for r in data["rows"]] == ["limit", "inproc", "dp2", "stages2"]

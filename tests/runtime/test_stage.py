@@ -29,6 +29,7 @@ from omni_trio import (
 )
 from omni_trio._core.health import EngineState, SleepState
 from omni_trio._core.lifecycle import RequestStatus
+from omni_trio.errors import PayloadError
 from omni_trio.models import decode_echo_image
 from omni_trio.runtime import stage as stage_module
 from omni_trio.runtime.stage import StageEngine
@@ -187,6 +188,65 @@ async def test_a_killed_stage_is_engine_dead_here_at_once_and_leaves_nothing(
         # The stage's own workers went with its process group.
         await until(lambda: not any(alive(pid) for pid in workers), "workers gone")
         await until(lambda: group_members(engine.pid) == [], "the process group gone")
+
+
+async def test_an_engine_that_dies_in_a_live_stage_ends_the_stage(cache_dir: Path) -> None:
+    """The stage's own engine dies (its worker group failed past max_worker_restarts): the
+    caller sees EngineDeadError at once, wait_ended returns (a supervisor reopens), and the
+    stage process ends by itself."""
+    cfg = config(
+        cache_dir,
+        backend="tractor",
+        worker_start_method="forkserver",
+        max_worker_restarts=0,
+    )
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as engine:
+            crash = params(num_inference_steps=4, extra_args={"echo_exit_at_step": 1})
+            with pytest.raises(EngineDeadError):
+                await engine.generate("p", crash)
+            await engine.wait_ended()
+            assert engine.is_dead and engine.health().state is EngineState.DEAD
+            with pytest.raises(EngineDeadError):
+                engine.stream("p", params())
+            await until(lambda: not alive(engine.pid), "the stage process ended")
+        await until(lambda: group_members(engine.pid) == [], "the process group gone")
+
+
+async def test_what_cannot_cross_is_refused_to_its_own_request(cache_dir: Path) -> None:
+    with trio.fail_after(CAP_S):
+        async with open_engine(config(cache_dir), stage="process") as engine:
+            unpicklable = params(extra_args={"echo_step_delay_s": lambda: 0.0})
+            with pytest.raises(PayloadError, match="cannot be sent to the stage"):
+                engine.stream("p", unpicklable)
+            with pytest.raises(PayloadError, match="cannot be sent to the stage"):
+                await engine.collective_rpc("ping", lambda: None)
+            assert engine.leftovers()["stage_streams"] == set()
+            assert (await engine.generate("p", params())).ok
+
+
+async def test_a_reused_request_id_never_gets_the_old_submissions_outputs(
+    cache_dir: Path,
+) -> None:
+    cfg = config(cache_dir, model_options={"step_delay_s": 0.02})
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as engine:
+            completed = 0
+            for round_ in range(5):
+                old = engine.stream("p", params(num_inference_steps=50, seed=1), request_id="x")
+                await until(lambda: engine.status("x") is not None, "admitted there")
+                await old.aclose()  # the consumer leaves: aborted there
+                new = engine.stream("p", params(seed=2), request_id="x")
+                try:
+                    async with new:
+                        last = [o async for o in new][-1]
+                except DuplicateRequestError:
+                    continue  # the old one was still being stopped there: refused, typed
+                # Its own output, never the old submission's (aborted, seed 1).
+                assert last.ok, (round_, last)
+                assert decode_echo_image(last.images[0]) == ("x", 2, 0)
+                completed += 1
+            assert completed, "every reuse was refused: nothing checked"
 
 
 async def test_sleep_wake_and_control_calls_run_in_the_stage(cache_dir: Path) -> None:

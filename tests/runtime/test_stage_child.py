@@ -3,6 +3,7 @@ test speaks the wire protocol as the caller would (``builtin:echo``, inproc back
 
 from __future__ import annotations
 
+import pickle
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,8 +13,15 @@ from typing import Any
 import pytest
 import trio
 
-from omni_trio import EngineConfig, InvalidConfigError, InvalidRequestError, SamplingParams
+from omni_trio import (
+    DiffusionRequest,
+    EngineConfig,
+    InvalidConfigError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from omni_trio._core.lifecycle import RequestStatus
+from omni_trio.errors import PayloadError
 from omni_trio.models import decode_echo_image
 from omni_trio.runtime.stage_child import serve_stage
 from omni_trio.runtime.stage_wire import FrameReader, decode_error, frame
@@ -31,6 +39,25 @@ class Caller:
 
     async def send(self, *message: Any) -> None:
         await self.stream.send_all(frame(message))
+
+    async def submit(self, key: int, rid: str, params: SamplingParams) -> None:
+        request = DiffusionRequest("a prompt", params, rid)
+        await self.send("submit", key, rid, pickle.dumps(request))
+
+    async def call(self, call_id: int, method: str, *args: Any) -> tuple[bool, Any]:
+        await self.send("call", call_id, method, pickle.dumps((args, {})))
+        _, got, ok, payload = await self.next("reply")
+        assert got == call_id
+        value = pickle.loads(payload)
+        return ok, value if ok else decode_error(value)
+
+    async def output(self) -> tuple[int, Any]:
+        _, key, payload = await self.next("out")
+        return key, pickle.loads(payload)
+
+    async def rejected(self) -> tuple[int, BaseException]:
+        _, key, payload = await self.next("rejected")
+        return key, decode_error(pickle.loads(payload))
 
     async def next(self, *kinds: str) -> tuple[Any, ...]:
         """The next message of one of ``kinds``; ``state`` messages on the way are kept."""
@@ -88,8 +115,9 @@ async def test_ready_then_outputs_then_closed(cache_dir: Path) -> None:
             _, info, state = await caller.next("ready", "failed")
             assert info.name == "builtin:echo"
             assert state["health"].healthy and state["requests"] == {}
-            await caller.send("submit", "r1", "a prompt", params(seed=7))
-            out = (await caller.next("out"))[2]
+            await caller.submit(1, "r1", params(seed=7))
+            key, out = await caller.output()
+            assert key == 1
             assert out.finished and out.status is RequestStatus.FINISHED_COMPLETED
             assert decode_echo_image(out.images[0]) == ("r1", 7, 0)
             # The snapshot before a terminal output already counts it.
@@ -113,13 +141,20 @@ async def test_a_refused_request_is_rejected_with_its_typed_error(cache_dir: Pat
         async with stage(cache_dir, warmup=False) as (caller, _):
             await caller.next("ready")
             # builtin:echo takes no LoRA adapter: only the engine can tell.
-            await caller.send("submit", "r1", "p", params(lora=(("style", 1.0),)))
-            _, rid, error = await caller.next("rejected")
-            assert rid == "r1"
-            assert isinstance(decode_error(error), InvalidRequestError)
+            await caller.submit(1, "r1", params(lora=(("style", 1.0),)))
+            key, error = await caller.rejected()
+            assert key == 1 and isinstance(error, InvalidRequestError)
+            # Something that is not a request: refused, typed, that submission alone.
+            await caller.send("submit", 2, "r2", pickle.dumps("not a request"))
+            key, error = await caller.rejected()
+            assert key == 2 and isinstance(error, PayloadError)
+            await caller.send("submit", 3, "r3", b"\x80\x05garbage")
+            key, error = await caller.rejected()
+            assert key == 3 and isinstance(error, PayloadError)
             # The same id is free again, and the stage still serves.
-            await caller.send("submit", "r1", "p", params(seed=1))
-            assert (await caller.next("out"))[2].ok
+            await caller.submit(4, "r1", params(seed=1))
+            key, out = await caller.output()
+            assert key == 4 and out.ok
 
 
 async def test_gone_aborts_the_request_as_a_consumer_that_left(cache_dir: Path) -> None:
@@ -129,11 +164,11 @@ async def test_gone_aborts_the_request_as_a_consumer_that_left(cache_dir: Path) 
             _,
         ):
             await caller.next("ready")
-            await caller.send("submit", "slow", "p", params(num_inference_steps=200))
+            await caller.submit(1, "slow", params(num_inference_steps=200))
             await caller.until_state(
                 lambda s: s["requests"].get("slow", (None,))[0] is RequestStatus.RUNNING
             )
-            await caller.send("gone", "slow")
+            await caller.send("gone", 1)
             state = await caller.until_state(lambda s: s["statistics"].finished_aborted == 1)
             assert "slow" not in state["requests"]
             assert state["statistics"].running == 0
@@ -143,16 +178,17 @@ async def test_calls_run_on_the_engine_and_unknown_ones_are_refused(cache_dir: P
     with trio.fail_after(CAP_S):
         async with stage(cache_dir, warmup=False) as (caller, _):
             await caller.next("ready")
-            await caller.send("call", 1, "sleep", (1,), {})
-            _, call_id, ok, value = await caller.next("reply")
-            assert (call_id, ok) == (1, True) and isinstance(value, list)
-            await caller.until_state(lambda s: s["sleeping"])
-            await caller.send("call", 2, "wake_up", (), {})
-            assert (await caller.next("reply"))[2] is True
-            await caller.send("call", 3, "aclose", (), {})
-            _, call_id, ok, error = await caller.next("reply")
-            assert (call_id, ok) == (3, False)
-            assert isinstance(decode_error(error), InvalidConfigError)
+            ok, value = await caller.call(1, "sleep", 1)
+            assert ok and isinstance(value, list)
+            # The snapshot sent before the answer already says so.
+            assert caller.states[-1]["sleeping"]
+            ok, _ = await caller.call(2, "wake_up")
+            assert ok
+            ok, error = await caller.call(3, "aclose")
+            assert not ok and isinstance(error, InvalidConfigError)
+            ok, error = await caller.call(4, "collective_rpc", "no_such_method")
+            assert not ok and isinstance(error, AttributeError)  # as the engine raised it
+            assert "no_such_method" in str(error)
 
 
 async def test_a_caller_that_goes_away_closes_the_engine(cache_dir: Path) -> None:
@@ -162,7 +198,7 @@ async def test_a_caller_that_goes_away_closes_the_engine(cache_dir: Path) -> Non
             done,
         ):
             await caller.next("ready")
-            await caller.send("submit", "slow", "p", params(num_inference_steps=200))
+            await caller.submit(1, "slow", params(num_inference_steps=200))
             await caller.until_state(lambda s: "slow" in s["requests"])
             await caller.stream.aclose()  # as if the caller died: the socket closes
             await done.wait()  # the engine closed and serve_stage returned

@@ -2035,3 +2035,41 @@ async def test_images_carry_their_recipe_unless_the_server_says_no_metadata() ->
         daemon = _Daemon(config, SystemdNotifier(None), None, io.StringIO())
         pool = EnginePool(config.engine)
         assert daemon._build_app(pool).image_metadata is expected
+
+
+async def test_a_refusal_on_the_first_read_is_answered_as_at_admission(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage process's engine may refuse a request the pool admitted (its state changed
+    since the snapshot admission used): the stream raises on its first read.  FAKE here: the
+    replica's ``stream`` returns streams that fail so; the answers are the admission's (503
+    ``engine_asleep``, 409 ``duplicate_request_id``, 400), never a 500."""
+    import math
+
+    from omni_trio.errors import DuplicateRequestError, EngineAsleepError, InvalidRequestError
+    from omni_trio.runtime.request_stream import RequestStream
+
+    engine = server.engine()
+    errors: list[Exception] = []
+
+    def refusing_stream(prompt: Any, params: Any = None, *, request_id: str | None = None) -> Any:
+        send, receive = trio.open_memory_channel[Any](math.inf)
+        stream = RequestStream(request_id or "r", params.seed, receive, lambda rid: None)
+        stream.fail_with(errors.pop(0))
+        send.close()
+        return stream
+
+    monkeypatch.setattr(engine, "stream", refusing_stream)
+    cases = [
+        (EngineAsleepError("asleep now"), 503, "engine_asleep"),
+        (DuplicateRequestError("dup"), 409, "duplicate_request_id"),
+        (InvalidRequestError("too costly now", param="size"), 400, "invalid_value"),
+    ]
+    with trio.fail_after(CAP_S):
+        async with server.client() as client:
+            for error, status, code in cases:
+                errors.append(error)
+                body = {"prompt": "p", "size": "64x64", "num_inference_steps": 2}
+                response = await client.post("/v1/images/generations", json=body)
+                assert_envelope(response, status, code=code)
+    assert server.pool.in_flight == 0  # each released its slot

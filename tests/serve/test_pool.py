@@ -315,8 +315,11 @@ async def test_a_dead_replica_is_reopened_and_the_others_are_not_disturbed() -> 
                 nursery.start_soon(consume, bystander)
                 await trio.sleep(0.1)
                 engine0.executor.fail(WorkerError("killed by the test", worker=0))
-            assert results["victim"].status is RequestStatus.FINISHED_ERROR
-            assert results["victim"].error_type == "EngineDeadError"
+            # The victim's engine died before any chunk of it was read: it moved to the live
+            # replica (same id, same seed) and completed there.
+            assert results["victim"].status is RequestStatus.FINISHED_COMPLETED
+            assert (victim.stream.moves, victim.stream.replica) == (1, 1)
+            assert decode_echo_image(results["victim"].images[0]) == ("victim", victim.seed, 0)
             # The bystander on replica 1 ran to completion on the same engine.
             assert results["bystander"].status is RequestStatus.FINISHED_COMPLETED
             assert decode_echo_image(results["bystander"].images[0]) == ("bystander", 5, 0)
@@ -408,6 +411,41 @@ async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> N
             await final_of(running)
     with pytest.raises(InvalidConfigError, match="max_queue_wait_s"):
         EnginePool(echo_config(), max_queue_wait_s=0)
+
+
+async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
+    """``scheduling_policy="priority"``: a high-priority request is not refused for the
+    waiting low-priority requests it will pass, but is for the one running (it holds the
+    slot) and for requests of its own priority; a low one waits for everyone."""
+    config = echo_config(scheduling_policy="priority")
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(config, max_queue_len=16)) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            rate = pool.service_rate()
+            assert rate is not None
+            running = pool.submit("p", LONG.replace(priority=5), request_id="running")
+            engine = pool.replica_engine(0)
+            assert engine is not None
+            await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
+            waiting = [
+                pool.submit("p", LONG.replace(priority=5), request_id=f"w{i}") for i in range(6)
+            ]
+            rate = pool.service_rate()
+            assert rate is not None
+            one, all_of_them = 1 / rate, len(waiting) + 1
+            # Its finish: the running one, then itself (2 service times) < 4 of them.
+            high = pool.submit(
+                "p", SHORT.replace(priority=-5, deadline_s=4 * one), request_id="high"
+            )
+            # A low one with the same deadline waits for all seven (and "high"): refused.
+            with pytest.raises(QueueWaitError, match="timeout") as info:
+                pool.submit("p", SHORT.replace(priority=5, deadline_s=4 * one), request_id="low")
+            assert info.value.estimate_s >= (all_of_them + 1) / pool.service_rate()  # type: ignore[operator]
+            for submission in (running, high, *waiting):
+                pool.abort(submission.request_id)
+            for submission in (running, high, *waiting):
+                await final_of(submission)
 
 
 def test_the_open_time_is_the_median_of_the_last_opens() -> None:
