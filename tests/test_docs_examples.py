@@ -112,6 +112,7 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "runs the test suite itself (make test-fast, make test); " + _MAKE
     ),
     # docs/backends.md
+    ("docs/backends.md", 'open_engine(config, stage="process")'): _PY,
     ("docs/backends.md", "class PipeTransport"): Covered(
         "tests/executors/test_custom_transport.py::test_a_custom_transport_serves_and_is_supervised"
     ),

@@ -319,7 +319,7 @@ async def test_the_scheduling_policies_run_on_worker_processes(
 ) -> None:
     """Step mode on worker processes, one slot.  ``priority``: a better request arriving
     while a worse one runs finishes first (it preempted the worse one at a step boundary:
-    without preemption it would wait for all 40 steps), and the worse one resumes from the
+    without preemption it would wait for all 150 steps), and the worse one resumes from the
     state its worker kept and ends with its own image.  ``fair``: a 64x64 request queued
     behind five 32x32 ones runs before the last of them (FIFO would run it last)."""
     finished: list[str] = []
@@ -340,7 +340,8 @@ async def test_the_scheduling_policies_run_on_worker_processes(
         ):
             # Admitted here, in this order (stream() admits at once); read in tasks.
             if policy == "priority":
-                low = params(40, seed=1, delay=0.02).replace(priority=5)
+                # Long enough (3 s) that a loaded machine's poll still sees it running.
+                low = params(150, seed=1, delay=0.02).replace(priority=5)
                 nursery.start_soon(read, engine.stream("p", low, request_id="low"))
                 await poll_until(lambda: (engine.progress("low") or (0, 0))[0] >= 2)
                 high = params(2, seed=2).replace(priority=-5)

@@ -157,17 +157,17 @@ def test_the_machine_catches_an_explicit_seed_0_replaced_at_admission(
     machine asked for."""
     from hypothesis import Phase
 
-    from omni_trio._core.engine_core import EngineCore
+    from omni_trio._core import engine_core
     from omni_trio.testing.invariants import InvariantViolation
 
-    real = EngineCore._resolve_defaults
+    real = engine_core._resolve_defaults
 
-    def falsy_seed(self: EngineCore, request: Any) -> Any:  # the mutant
+    def falsy_seed(request: Any, *args: Any) -> Any:  # the mutant
         if request.sampling.seed == 0:
             request = request.replace(sampling=request.sampling.replace(seed=None))
-        return real(self, request)
+        return real(request, *args)
 
-    monkeypatch.setattr(EngineCore, "_resolve_defaults", falsy_seed)
+    monkeypatch.setattr(engine_core, "_resolve_defaults", falsy_seed)
     options = MachineOptions(
         backend="inproc", cache_dir=str(cache_dir), faults=(), crash_rule=False, close_rule=False
     )
