@@ -554,9 +554,13 @@ class StageEngine:
 
     async def wait_idle(self) -> None:
         """Return once this side holds no stream or call and the stage's engine is idle
-        (``AsyncEngine.wait_idle`` there).  Unbounded; cancelling it is harmless."""
-        while True:
-            await self._call("wait_idle")
+        (``AsyncEngine.wait_idle`` there), or once the stage has ended (died or closed), as
+        the inline engine's does.  Unbounded; cancelling it is harmless."""
+        while self._dead is None and not self._closing:
+            try:
+                await self._call("wait_idle")
+            except (EngineDeadError, EngineClosedError):
+                return  # it ended meanwhile: nothing will run any more
             if not self._open and not self._calls:
                 return
             await trio.sleep(0.01)  # outputs still crossing: look again

@@ -185,6 +185,8 @@ async def test_a_killed_stage_is_engine_dead_here_at_once_and_leaves_nothing(
             with pytest.raises(EngineDeadError):
                 await engine.sleep(1)
             await engine.wait_ended()
+            await engine.wait_idle()  # an ended engine is idle, as the inline one is
+            assert engine.is_idle()
         # The stage's own workers went with its process group.
         await until(lambda: not any(alive(pid) for pid in workers), "workers gone")
         await until(lambda: group_members(engine.pid) == [], "the process group gone")
