@@ -45,7 +45,7 @@ import heapq
 import itertools
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -102,6 +102,7 @@ __all__ = [
     "WARMUP_REQUEST_ID",
     "WORKER_FAILED",
     "AwaitOutput",
+    "build_request",
     "check_admission",
     "CoreConfig",
     "DeliverChunk",
@@ -250,6 +251,38 @@ def _picture_size(
     if width is None:
         return height, max(8, round(image_width * height / image_height) // 8 * 8)
     return height, width
+
+
+def build_request(
+    prompt_or_request: str | DiffusionRequest,
+    params: SamplingParams | None,
+    request_id: str | None,
+    *,
+    new_id: Callable[[], str],
+) -> DiffusionRequest:
+    """A request from a prompt (or a request with ``params``/``request_id`` applied);
+    ``new_id()`` names it when it has no id.  Raises :class:`InvalidRequestError` for a
+    prompt that is not a string."""
+    if isinstance(prompt_or_request, DiffusionRequest):
+        request = prompt_or_request
+        if params is not None:
+            request = request.replace(sampling=params)
+        if request_id is not None:
+            request = request.replace(request_id=request_id)
+    else:
+        if not isinstance(prompt_or_request, str):
+            raise InvalidRequestError(
+                f"prompt must be a string, not {type(prompt_or_request).__name__}",
+                param="prompt",
+            )
+        request = DiffusionRequest(
+            prompt_or_request,
+            params if params is not None else SamplingParams(),
+            request_id if request_id is not None else new_id(),
+        )
+    if not request.request_id:
+        request = request.replace(request_id=new_id())
+    return request
 
 
 def check_admission(
@@ -572,27 +605,8 @@ class EngineCore:
         request_id: str | None = None,
     ) -> DiffusionRequest:
         """A request from a prompt (or a request with ``params``/``request_id`` applied); an
-        id is generated when none is given."""
-        if isinstance(prompt_or_request, DiffusionRequest):
-            request = prompt_or_request
-            if params is not None:
-                request = request.replace(sampling=params)
-            if request_id is not None:
-                request = request.replace(request_id=request_id)
-        else:
-            if not isinstance(prompt_or_request, str):
-                raise InvalidRequestError(
-                    f"prompt must be a string, not {type(prompt_or_request).__name__}",
-                    param="prompt",
-                )
-            request = DiffusionRequest(
-                prompt_or_request,
-                params if params is not None else SamplingParams(),
-                request_id if request_id is not None else self.new_request_id(),
-            )
-        if not request.request_id:
-            request = request.replace(request_id=self.new_request_id())
-        return request
+        id is generated when none is given (see :func:`build_request`)."""
+        return build_request(prompt_or_request, params, request_id, new_id=self.new_request_id)
 
     def admit(
         self, request: DiffusionRequest, now: float, *, counted: bool = True

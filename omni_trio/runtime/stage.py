@@ -58,7 +58,7 @@ from typing import Any
 
 import trio
 
-from .._core.engine_core import check_admission
+from .._core.engine_core import build_request, check_admission
 from .._core.health import EngineHealth, EngineState, EngineStatistics
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
@@ -70,7 +70,6 @@ from ..errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidConfigError,
-    InvalidRequestError,
     PayloadError,
 )
 from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
@@ -379,30 +378,15 @@ class StageEngine:
     ) -> RequestStream:
         """Admit a request in the stage and return its output stream (no checkpoint).
 
-        Raises at once what can be judged here: :class:`InvalidRequestError` (prompt type,
-        request limits), :class:`DuplicateRequestError` (an id still streaming from this
-        stage), :class:`EngineClosedError` / :class:`EngineDeadError`.  What the stage
-        refuses ends the stream by raising its error on the first read."""
+        Raises at once what the engine's admission raises, decided here as the core decides
+        it (:func:`~omni_trio._core.engine_core.check_admission` with the stage's latest
+        snapshot): :class:`InvalidRequestError`, :class:`EngineAsleepError`,
+        :class:`DuplicateRequestError` (an id still streaming from this stage),
+        :class:`PayloadError` (it cannot be pickled), :class:`EngineClosedError` /
+        :class:`EngineDeadError`.  What the stage still refuses (its state changed since the
+        snapshot) ends the stream by raising its error on the first read."""
         self._check_open()
-        if isinstance(prompt_or_request, DiffusionRequest):
-            request = prompt_or_request
-            if params is not None:
-                request = request.replace(sampling=params)
-            if request_id is not None:
-                request = request.replace(request_id=request_id)
-        elif isinstance(prompt_or_request, str):
-            request = DiffusionRequest(
-                prompt_or_request,
-                params if params is not None else SamplingParams(),
-                request_id or "",
-            )
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string, not {type(prompt_or_request).__name__}",
-                param="prompt",
-            )
-        if not request.request_id:
-            request = request.replace(request_id=f"req-{self._id_prefix}-{next(self._request_ids)}")
+        request = build_request(prompt_or_request, params, request_id, new_id=self._new_request_id)
         sampling = request.sampling
         if isinstance(sampling, SamplingParams) and sampling.image is not None:
             request = request.replace(sampling=canonical_pictures(sampling))
@@ -438,6 +422,9 @@ class StageEngine:
         self._by_id[rid] = entry
         self._post(data)
         return stream
+
+    def _new_request_id(self) -> str:
+        return f"req-{self._id_prefix}-{next(self._request_ids)}"
 
     def _gone(self, key: int, rid: str) -> None:
         entry = self._open.get(key)
