@@ -94,11 +94,13 @@ if TYPE_CHECKING:
     from ._core.faults import Fault
     from .testing.driver import EngineDriver
     from .testing.machine import CampaignStats, MachineOptions
+    from .testing.mutants import Mutant
 
 __all__ = [
     "CHUNK_TARGET_S",
     "DEFAULT_DURATION_S",
     "DEFAULT_OUT",
+    "DEFAULT_SHRINK_LIMIT_S",
     "DEFAULT_STEPS",
     "SCHEMA_VERSION",
     "CampaignPlan",
@@ -112,8 +114,12 @@ __all__ = [
     "stats_line",
 ]
 
-SCHEMA_VERSION = 1
+# 2: the machine draws more per rule (sizes, outputs, deadlines, waves): a reproducer of
+# schema 1 would replay other choices, so it is refused rather than "not reproduced".
+SCHEMA_VERSION = 2
 DEFAULT_STEPS = 30
+#: How long a found failure is shrunk at most (Hypothesis' own bound is 5 minutes).
+DEFAULT_SHRINK_LIMIT_S = 120.0
 DEFAULT_DURATION_S = 60.0  # when neither --duration nor --examples is given
 DEFAULT_OUT = "fuzz-failures"
 PROGRESS_INTERVAL_S = 2.0
@@ -143,7 +149,9 @@ _CAMPAIGN_FLAGS = {
     "no_crash_rule": "--no-crash-rule",
     "no_close_rule": "--no-close-rule",
     "no_shrink": "--no-shrink",
+    "shrink_limit": "--shrink-limit",
     "seed": "--seed",
+    "mutant": "--mutant",
 }
 
 
@@ -238,7 +246,7 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="engine batch size (2)",
+        help="engine batch size (4: the wave rule fuses 2-4 requests into one forward)",
     )
     campaign.add_argument(
         "--data-parallel",
@@ -284,6 +292,24 @@ def add_fuzz_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="report the first failing example as found (no shrink phase: much faster with "
         "slow examples, e.g. on tractor, but the steps are not minimal)",
+    )
+    campaign.add_argument(
+        "--shrink-limit",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"stop shrinking a failure after this long (default {DEFAULT_SHRINK_LIMIT_S:g} s); "
+        "the smallest failing example found by then is the reproducer",
+    )
+    campaign.add_argument(
+        "--mutant",
+        default=None,
+        metavar="NAME|MODULE:ATTR",
+        help="plant a bug in the runtime for this campaign: a shipped mutant's name (see "
+        "omni-trio bench fuzz-power --list) or your own omni_trio.testing.mutants.Mutant as "
+        "package.module:attribute; its options (mode, batch size...) apply unless given "
+        "here.  In-process: it reaches the worker processes of --backend tractor/ray only "
+        "where it patches the engine's side",
     )
     campaign.add_argument(
         "--seed",
@@ -383,20 +409,37 @@ def _quiet_runtime_logs(verbosity: int) -> Iterator[None]:
         logger.setLevel(before)
 
 
+def _load_mutant(spec: str) -> Mutant:
+    from .testing.mutants import find_mutant
+
+    try:
+        return find_mutant(spec)
+    except (KeyError, ValueError) as exc:
+        message = exc.args[0] if exc.args else str(exc)
+        raise CliError(f"--mutant {spec}: {message}", EXIT_USAGE) from None
+
+
 def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
     from .testing.machine import MachineOptions
 
-    fields: dict[str, Any] = {
-        "backend": args.backend or "inproc",
-        "mode": args.mode or "request",
-        "crash_rule": not args.no_crash_rule,
-        "close_rule": not args.no_close_rule,
-        "cache_dir": args.cache_dir,
-    }
+    mutant = None if args.mutant is None else _load_mutant(args.mutant)
+    fields: dict[str, Any] = dict(mutant.options) if mutant is not None else {}
+    if args.no_crash_rule:
+        fields["crash_rule"] = False
+    if args.no_close_rule:
+        fields["close_rule"] = False
+    if args.cache_dir is not None:
+        fields["cache_dir"] = args.cache_dir
+    fields.setdefault("backend", "inproc")
+    fields.setdefault("mode", "request")
+    if args.backend is not None:
+        fields["backend"] = args.backend
+    if args.mode is not None:
+        fields["mode"] = args.mode
     if args.max_num_seqs is not None:
         fields["max_num_seqs"] = args.max_num_seqs
     if args.data_parallel is not None:
-        if (args.backend or "inproc") == "inproc" and args.data_parallel > 1:
+        if fields["backend"] == "inproc" and args.data_parallel > 1:
             raise CliError(
                 f"{PROG} fuzz --data-parallel {args.data_parallel} runs worker processes: "
                 "use --backend tractor or ray",
@@ -423,8 +466,10 @@ def _plan_from_args(args: argparse.Namespace) -> CampaignPlan:
         duration_s=duration,
         seed=args.seed,
         shrink=not args.no_shrink,
+        shrink_limit_s=args.shrink_limit or DEFAULT_SHRINK_LIMIT_S,
         out=Path(args.out if args.out is not None else DEFAULT_OUT),
         quiet=args.quiet,
+        mutant=args.mutant,
     )
 
 
@@ -442,8 +487,12 @@ class CampaignPlan:
     duration_s: float | None = None
     seed: int | None = None
     shrink: bool = True
+    shrink_limit_s: float = DEFAULT_SHRINK_LIMIT_S
     out: Path = Path(DEFAULT_OUT)
     quiet: bool = False
+    # A planted bug applied for the campaign (omni_trio.testing.mutants): a shipped name or
+    # "module:attribute"; recorded in the reproducer, and applied again by its replay.
+    mutant: str | None = None
 
 
 @dataclass
@@ -532,6 +581,43 @@ def _chunk_size(left: int, remaining_s: float | None, stats: CampaignStats, chun
     rate = stats.examples / max(stats.elapsed_s, 1e-9)
     size = min(left, int(rate * min(remaining_s, CHUNK_TARGET_S)))
     return size if size >= 2 else 0
+
+
+@contextmanager
+def _planted(spec: str | None) -> Iterator[None]:
+    """The mutant ``spec`` applied for the duration (nothing when None)."""
+    if spec is None:
+        yield
+        return
+    from .testing.mutants import applied
+
+    with applied(_load_mutant(spec)):
+        yield
+
+
+@contextmanager
+def _shrink_limit(seconds: float) -> Iterator[None]:
+    """Bound Hypothesis' shrinking to ``seconds`` (its own bound, MAX_SHRINKING_SECONDS, is
+    5 minutes and has no setting; the module attribute is set for the campaign and restored).
+    With a Hypothesis that lacks it, nothing changes."""
+    from hypothesis.internal.conjecture import engine
+
+    before = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    if before is None:
+        yield
+        return
+    engine.MAX_SHRINKING_SECONDS = max(1, math.ceil(seconds))
+    try:
+        yield
+    finally:
+        engine.MAX_SHRINKING_SECONDS = before
+
+
+def hits_line(stats: CampaignStats) -> str:
+    """How often the campaign reached each hard path (``paths`` in the summary)."""
+    from .testing.machine import PATHS
+
+    return "paths  " + "  ".join(f"{path} {stats.hits.get(path, 0)}" for path in PATHS)
 
 
 def _reserve_dir(out: Path, backend: str, mode: str) -> Path:
@@ -633,7 +719,11 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
     failure: BaseException | None = None
     used: dict[str, Any] = {}
     try:
-        with _progress(stats, out, enabled=not plan.quiet):
+        with (
+            _planted(plan.mutant),
+            _shrink_limit(plan.shrink_limit_s),
+            _progress(stats, out, enabled=not plan.quiet),
+        ):
             while planned < cap:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -659,13 +749,15 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
                 planned += size
                 chunk += 1
     except KeyboardInterrupt:
-        print(f"summary  {stats_line(stats)}", file=out, flush=True)
+        print(f"summary  {stats_line(stats)}", file=out)
+        print(hits_line(stats), file=out, flush=True)
         raise
     finally:
         if failure is None:  # an interrupted shrink leaves the failing example in db/: kept
             _remove_if_empty(directory, *([plan.out] if created_out else []))
     result = CampaignResult(stats, failure)
     print(f"summary  {stats_line(stats)}", file=out)
+    print(hits_line(stats), file=out)
     if failure is None:
         print(f"no failure in {stats.examples} examples", file=out, flush=True)
         return result
@@ -674,8 +766,12 @@ def run_campaign(plan: CampaignPlan, *, stdout: TextIO | None = None) -> Campaig
         "seed": used["seed"],
         "campaign_seed": plan.seed,
         "chunk": used["chunk"],
+        "shrink_limit_s": plan.shrink_limit_s,
+        "mutant": plan.mutant,
     }
     result.reproducer = _write_reproducer(directory, options, settings_info, failure, last, stats)
+    if stats.first_failure_s is not None:
+        print(f"first failure after {stats.first_failure_s:.1f} s", file=out)
     print(f"FAILURE: {_headline(failure)}", file=out)
     print(f"reproducer written to {directory}", file=out)
     print(
@@ -880,7 +976,12 @@ def _write_reproducer(
             "rules": stats.rules,
             "requests": stats.requests,
             "elapsed_s": round(stats.elapsed_s, 3),
+            "first_failure_s": (
+                None if stats.first_failure_s is None else round(stats.first_failure_s, 3)
+            ),
+            "hits": dict(stats.hits),
         },
+        "mutant": settings_info.get("mutant"),
     }
     (directory / "reproducer.json").write_text(json.dumps(record, indent=2) + "\n", "utf-8")
     return directory
@@ -923,12 +1024,6 @@ def replay(
 ) -> ReplayResult:
     """Run a reproducer's failing example again; see the module docstring.  Never changes the
     reproducer; writes a new one under ``out`` (when given) for a reproduced failure."""
-    import unittest
-
-    import hypothesis
-    from hypothesis import Phase
-    from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
-    from hypothesis.errors import DidNotReproduce
 
     from .testing.machine import CampaignStats, MachineOptions
 
@@ -951,6 +1046,51 @@ def replay(
     )
     stats = CampaignStats()
     last = _LastEngine()
+    with _planted(data.get("mutant")):
+        result = _replay_runs(
+            data, options, saved, steps, max_examples, db_dir, stats, last, stream
+        )
+    if result.failure is None:
+        print(f"did not reproduce  ({stats_line(stats)})", file=stream, flush=True)
+        return result
+
+    result.notes = _notes(result.failure)
+    original = (data.get("failure") or {}).get("type")
+    print(f"reproduced ({result.how}): {_headline(result.failure)}", file=stream)
+    for step in (n for n in result.notes if _STEP.match(n)):
+        print(f"  {step}", file=stream)
+    if original and original != type(result.failure).__name__:
+        print(f"note: the reproducer recorded a {original}", file=stream)
+    if out is not None:
+        directory = _reserve_dir(out, options.backend, options.mode)
+        info = {**saved, "replayed_from": str(file)}
+        result.reproducer = _write_reproducer(
+            directory, options, info, result.failure, last, stats, database_from=db_dir
+        )
+        print(f"reproducer written to {directory}", file=stream)
+    print(f"summary  {stats_line(stats)}", file=stream, flush=True)
+    return result
+
+
+def _replay_runs(
+    data: dict[str, Any],
+    options: MachineOptions,
+    saved: dict[str, Any],
+    steps: int,
+    max_examples: int,
+    db_dir: Path,
+    stats: CampaignStats,
+    last: _LastEngine,
+    stream: TextIO,
+) -> ReplayResult:
+    """Replay from the example database, then (if that did not reproduce) the blob."""
+    import unittest
+
+    import hypothesis
+    from hypothesis import Phase
+    from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
+    from hypothesis.errors import DidNotReproduce
+
     result = ReplayResult(False)
 
     if db_dir.is_dir():
@@ -998,22 +1138,4 @@ def replay(
                 else:
                     result = ReplayResult(True, "reproduce_failure blob", exc)
 
-    if result.failure is None:
-        print(f"did not reproduce  ({stats_line(stats)})", file=stream, flush=True)
-        return result
-    result.notes = _notes(result.failure)
-    original = (data.get("failure") or {}).get("type")
-    print(f"reproduced ({result.how}): {_headline(result.failure)}", file=stream)
-    for step in (n for n in result.notes if _STEP.match(n)):
-        print(f"  {step}", file=stream)
-    if original and original != type(result.failure).__name__:
-        print(f"note: the reproducer recorded a {original}", file=stream)
-    if out is not None:
-        directory = _reserve_dir(out, options.backend, options.mode)
-        info = {**saved, "replayed_from": str(file)}
-        result.reproducer = _write_reproducer(
-            directory, options, info, result.failure, last, stats, database_from=db_dir
-        )
-        print(f"reproducer written to {directory}", file=stream)
-    print(f"summary  {stats_line(stats)}", file=stream, flush=True)
     return result

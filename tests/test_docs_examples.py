@@ -169,6 +169,10 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
     ("docs/fuzzing.md", "omni-trio fuzz --duration 600"): NotRun(
         "campaigns of 10 to 60 minutes; tests/test_fuzz.py runs short ones of each kind"
     ),
+    ("docs/fuzzing.md", "omni-trio fuzz --mutant fused-survivors-by-position"): NotRun(
+        "a minute per campaign; tests/bench/test_fuzz_power.py scores a shipped and a "
+        "researcher's mutant with a short budget, and --list"
+    ),
     ("docs/fuzzing.md", "omni-trio fuzz --replay"): NotRun(
         "replays the reproducer a failing campaign wrote; "
         "tests/test_fuzz.py::test_a_planted_bug_is_found_written_and_replayed does that"

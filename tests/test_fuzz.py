@@ -118,7 +118,13 @@ def test_quiet_campaign_prints_only_the_summary(
     )  # fmt: skip
     assert main(argv) == EXIT_OK
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split("  ")[0] for line in lines] == ["summary", "no failure in 1 examples"]
+    assert [line.split("  ")[0] for line in lines] == [
+        "summary",
+        "paths",
+        "no failure in 1 examples",
+    ]
+    paths = dict(zip(*[iter(lines[1].split()[1:])] * 2, strict=True))
+    assert set(paths) == set(machine.PATHS)  # every hard path, with its count
 
 
 def test_a_planted_bug_is_found_written_and_replayed(
@@ -150,9 +156,15 @@ def test_a_planted_bug_is_found_written_and_replayed(
     assert record["failure"]["type"] == "InvariantViolation"
     assert record["failure"]["flaky"] is False
     assert record["failure"]["reproduce_failure"].startswith("@reproduce_failure(")
+    # When the first example failed (before any shrinking), within the campaign's time.
+    first = record["campaign"]["first_failure_s"]
+    assert 0 < first <= record["campaign"]["elapsed_s"]
+    assert f"first failure after {first:.1f} s" in text
+    assert set(record["campaign"]["hits"]) <= set(machine.PATHS)
+    assert record["mutant"] is None
     steps = record["steps"]
     assert steps[0] == "state = EngineMachine_inproc_request()"
-    assert any(".submit(" in step for step in steps)
+    assert any(".submit" in step for step in steps)  # submit or submit_wave
     assert steps[-1] == "state.teardown()"
     assert "\n".join(steps) in (directory / "steps.txt").read_text("utf-8")
     assert "FAKE checker: a request was admitted" in (directory / "violations.txt").read_text()
@@ -216,7 +228,7 @@ def test_a_planted_bug_is_shrunk_to_a_few_steps(
     assert steps[-1] == "state.teardown()"
     rules = [s for s in steps[1:-1] if "no_violation_so_far" not in s]
     # Shrunk to the one rule the fake objects to; an unshrunk example has six.
-    assert len(rules) == 1 and ".submit(" in rules[0], steps
+    assert len(rules) == 1 and ".submit" in rules[0], steps
 
 
 def test_campaign_flags_make_the_machine_options() -> None:
@@ -331,7 +343,7 @@ def test_replay_of_a_missing_or_bad_file(
     assert "cannot read reproducer" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"schema": 99}')
     assert main(["fuzz", "--replay", str(tmp_path / "bad.json")]) == EXIT_USAGE
-    assert "is not a reproducer of schema 1" in capsys.readouterr().err
+    assert f"is not a reproducer of schema {fuzz.SCHEMA_VERSION}" in capsys.readouterr().err
 
 
 def test_missing_hypothesis_says_how_to_install_it(

@@ -28,6 +28,7 @@ EXPERIMENTS = (
     "policy",
     "dataparallel",
     "sleep",
+    "fuzz-power",
 )
 
 _HELP = {
@@ -43,6 +44,7 @@ _HELP = {
     "policy": "fifo vs priority vs fair under a seeded open-loop mixed trace at 0.7x-2x capacity",
     "dataparallel": "serve --data-parallel vs replicas, workers and the two-process limit",
     "sleep": "sleep and wake of a worker process: memory awake / asleep / woken, wake latency",
+    "fuzz-power": "the fuzzer's mutation score: a bounded campaign per shipped planted bug",
 }
 
 
@@ -53,7 +55,7 @@ def _experiment_module(name: str) -> Any:
     """
     if name not in EXPERIMENTS:  # pragma: no cover - argparse restricts the choices
         raise ValueError(f"unknown experiment {name!r}")
-    return importlib.import_module(f"{__package__}.{name}")
+    return importlib.import_module(f"{__package__}.{name.replace('-', '_')}")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -164,6 +164,8 @@ class InprocExecutor(Executor):
         scheduler_output: SchedulerOutput,
     ) -> BatchRunnerOutput:
         ids = scheduler_output.scheduled_request_ids
+        if self._worker is not None:  # in order with aborts, which run on this thread too
+            self._worker.forward_dispatched(ids)
         try:
             with self._calling() as scope:
                 result = await self._thread.run(
@@ -264,9 +266,12 @@ class InprocExecutor(Executor):
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = tuple(request_ids)
-        if self._worker is not None:  # noted before the flags are set, and apart from them
-            self._worker.mark_aborted(ids)
+        worker = self._worker
+        if worker is not None:  # noted before the flags are set, and apart from them
+            worker.mark_aborted(ids)
         self.stop_flags.abort(ids)
+        if worker is not None:
+            worker.drop_late_aborts(ids)  # a forward already over: nothing to stop
 
     def progress(self, request_id: str) -> tuple[int, int] | None:
         return self._progress.get(request_id)

@@ -17,7 +17,7 @@ import abc
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .._core.model_info import FAMILIES as FAMILIES
 from .._core.model_info import Family as Family
@@ -152,6 +152,12 @@ class DiffusionModel(abc.ABC):
     """
 
     info: ModelInfo
+    #: Whether the model holds weights worth a full garbage collection when it closes or
+    #: sleeps (the runner then collects at once, so their memory is back before it returns).
+    #: A model without weights (``builtin:echo``) says False: a full collection of a process
+    #: that imported torch takes tens of milliseconds, and a fuzzing campaign closes engines
+    #: all the time.
+    holds_weights: ClassVar[bool] = True
 
     @abc.abstractmethod
     def generate(

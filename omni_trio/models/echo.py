@@ -205,6 +205,8 @@ class EchoModel(DiffusionModel):
     ``sleep`` (blocking; tests pass a recorder instead).
     """
 
+    holds_weights = False  # nothing to collect when it closes or sleeps
+
     def __init__(
         self,
         *,

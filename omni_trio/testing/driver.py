@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -193,22 +194,35 @@ class EngineDriver:
         self.engine = self.run(start)
         return self.engine
 
-    def close(self) -> None:
-        """Close the engine (its consumers read their terminal outputs first)."""
+    def close(self, *, consumer_timeout: float | None = None) -> list[str]:
+        """Close the engine, then wait for its consumers to read their terminal outputs.
+
+        Returns the ids of consumers still not done ``consumer_timeout`` seconds after the
+        engine closed (None: wait for all, bounded only by ``call_timeout_s``); those are
+        stopped (their streams closed unread), so nothing of the engine outlives the call."""
         if self.engine is None:
-            return
+            return []
         close, closed = self._close, self._closed
         assert close is not None and closed is not None
 
-        async def shut() -> None:
+        async def shut() -> list[str]:
             close.set()
             await closed.wait()
-            await self._wait_consumers(None)
+            with trio.move_on_after(math.inf if consumer_timeout is None else consumer_timeout):
+                await self._wait_consumers(None)
+                return []
+            stuck = sorted(rid for rid, record in self.consumers.items() if not record.done)
+            for rid in stuck:
+                scope = self._scopes.get(rid)
+                if scope is not None:
+                    scope.cancel()
+            return stuck
 
         try:
-            self.run(shut)
+            stuck: list[str] = self.run(shut)
         finally:
             self.engine = None
+        return stuck
 
     # -- requests ------------------------------------------------------------------------
 

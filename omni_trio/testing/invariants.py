@@ -67,6 +67,7 @@ __all__ = [
     "check_inv6_bounded_waits",
     "check_inv7_prompt_cancellation",
     "check_leftovers",
+    "check_liveness",
     "check_trace",
 ]
 
@@ -99,7 +100,11 @@ _EXEC_START = TraceKind.EXEC_START
 _OUTPUT = TraceKind.OUTPUT
 _RECEIVED = TraceKind.RECEIVED
 _RESTART = TraceKind.RESTART
+_PREEMPT = TraceKind.PREEMPT
+_REQUEUE = TraceKind.REQUEUE
 _SCHEDULE = TraceKind.SCHEDULE
+_SLEEP = TraceKind.SLEEP
+_WAKE = TraceKind.WAKE
 _STALL = TraceKind.STALL
 _TERMINAL = TraceKind.TERMINAL
 # After an abort, one of these events of the request shows the engine has moved past the abort,
@@ -760,6 +765,147 @@ def assert_trace_ok(
     )
     if violations:
         raise InvariantViolation(violations)
+
+
+# --------------------------------------------------------------------------------------------
+# Liveness: every live request moves, as time goes by
+
+# Where a request whose last own event is of this kind waits: queued requests wait for the
+# engine (any progress of any request counts as theirs), the others for their own next event.
+_QUEUED_AFTER = frozenset({_ADMIT, _REQUEUE, _PREEMPT})
+# Engine-wide events after which everyone's clock starts again (a group failed or
+# restarted, the engine fell asleep or woke up).  Not STALL: one request's stalled output
+# says nothing of the others.
+_ENGINE_PROGRESS = frozenset({_CRASH, _RESTART, _WAKE, _SLEEP})
+# A request's events that show the engine's work moving (what a queued request waits for):
+# not what callers do (admissions, aborts, drops), which go on while the engine is stuck.
+_WORK_PROGRESS = frozenset({_SCHEDULE, _EXEC_START, _EXEC_RESULT, _CHUNK, _REQUEUE, _PREEMPT})
+
+
+def _phase(e: TraceEvent) -> str:
+    """Where a live request is, as its last own event says."""
+    kind = e.kind
+    if kind in _QUEUED_AFTER:
+        return "queued"
+    if kind is _SCHEDULE or kind is _EXEC_START:
+        return "in a forward"
+    if kind is _EXEC_RESULT:
+        if e.detail.get("outcome") == "pending":
+            return "packing its output"
+        return "between steps"
+    if kind is _CHUNK:
+        return "streaming"
+    if kind is _ABORT or kind is _CONSUMER_DROP:
+        return "being aborted"
+    return f"after {kind.value.upper()}"
+
+
+def check_liveness(
+    events: Iterable[TraceEvent],
+    now: float,
+    *,
+    bound_s: float,
+    restart_bound_s: float | None = None,
+    queue_bound_s: float | None = None,
+    dropped: Collection[str] = (),
+) -> list[Violation]:
+    """INV-6 as time passes (the liveness oracle): no live request of a running engine goes
+    without progress for longer than its bound, whatever phase it is in.
+
+    ``now`` is the engine's clock (the clock of the trace's times).  A request waits at most
+    ``bound_s`` for its own next event after being scheduled, running a forward, packing,
+    streaming or being aborted; a queued one (admitted, requeued, preempted) at most
+    ``bound_s`` without the engine's work moving for *any* request (a schedule, a forward,
+    a chunk; admissions and aborts are what callers do: they go on while the engine is
+    stuck) and
+    at most ``queue_bound_s`` in all (starvation; None: unbounded).  While a worker group
+    restarts (a CRASH not yet followed by RESTART) every bound is ``restart_bound_s`` from
+    the crash.  After its TERMINAL a request's OUTPUT follows within ``bound_s``, and a
+    delivered terminal output reaches its consumer (a finished RECEIVED) within ``bound_s``
+    unless the consumer dropped it (a CONSUMER_DROP, or its id in ``dropped``: consumers the
+    caller stopped).  Each violation names the phase the request is stuck
+    in and its last event.  Only meaningful for an engine that is awake and open.
+    """
+    t = _build(events, False)
+    r = _Report(t, "INV-6")
+    engine_moved = float("-inf")  # the latest event of the engine itself
+    anyone_moved = float("-inf")  # the latest event of anyone
+    crashed_at: float | None = None  # a group failure not yet followed by its restart
+    for e in t.engine:
+        if e.kind in _ENGINE_PROGRESS:
+            engine_moved = max(engine_moved, e.time)
+            anyone_moved = max(anyone_moved, e.time)
+        if e.kind is _CRASH:
+            crashed_at = e.time if crashed_at is None else crashed_at
+        elif e.kind is _RESTART:
+            crashed_at = None
+    for inc in t.incarnations:
+        for e in inc.events:
+            if e.kind in _WORK_PROGRESS:
+                anyone_moved = max(anyone_moved, e.time)
+    restarting = crashed_at is not None and restart_bound_s is not None
+    for inc in _checked(t):
+        own = [e for e in inc.events if e.kind is not _RECEIVED]
+        if not own:
+            continue
+        terminal = next((e for e in own if e.kind is _TERMINAL), None)
+        if terminal is not None:
+            if inc.rid not in dropped:
+                _check_delivery(r, inc, terminal, now, bound_s)
+            continue
+        last = own[-1]
+        phase = _phase(last)
+        if restarting:
+            assert crashed_at is not None and restart_bound_s is not None
+            since, limit, what = max(last.time, crashed_at), restart_bound_s, "the restart"
+        elif phase == "queued":
+            since, limit, what = max(last.time, anyone_moved), bound_s, "any request"
+        else:
+            since, limit, what = max(last.time, engine_moved), bound_s, "it"
+        if now - since > limit:
+            r.inc(
+                inc,
+                f"{phase} for {now - since:.2f} s without progress of {what} "
+                f"(> {limit:g} s; last own event {_at(last)})",
+                last,
+            )
+        elif (
+            phase == "queued"
+            and queue_bound_s is not None
+            and not restarting
+            and now - last.time > queue_bound_s
+        ):
+            r.inc(
+                inc,
+                f"queued for {now - last.time:.2f} s since {_at(last)} while others ran "
+                f"(> {queue_bound_s:g} s: starved)",
+                last,
+            )
+    return _sorted(r.items)
+
+
+def _check_delivery(
+    r: _Report, inc: _Incarnation, terminal: TraceEvent, now: float, bound_s: float
+) -> None:
+    """After TERMINAL: its OUTPUT, and (delivered, consumer still reading) its receipt."""
+    output = next((e for e in inc.events if e.kind is _OUTPUT), None)
+    if output is None:
+        if now - terminal.time > bound_s:
+            r.inc(inc, f"{_at(terminal)} {now - terminal.time:.2f} s ago but no OUTPUT", terminal)
+        return
+    if output.detail.get("delivered") is False:
+        return
+    if any(e.kind is _CONSUMER_DROP for e in inc.events):
+        return
+    if any(e.kind is _RECEIVED and e.detail.get("finished") for e in inc.events):
+        return
+    if now - output.time > bound_s:
+        r.inc(
+            inc,
+            f"its terminal {_at(output)} was sent {now - output.time:.2f} s ago but its "
+            "consumer has not received it",
+            output,
+        )
 
 
 # --------------------------------------------------------------------------------------------

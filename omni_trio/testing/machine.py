@@ -22,20 +22,24 @@ engine lives in a real trio loop in the calling thread) and returns campaign cou
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import hypothesis.strategies as st
+import trio
 from hypothesis import note
 from hypothesis import settings as Settings
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     invariant,
+    multiple,
     precondition,
     rule,
     run_state_machine_as_test,
@@ -46,10 +50,16 @@ from .._core.messages import DiffusionOutput
 from .._core.request import MAX_SEED, SamplingParams
 from .._core.trace import TraceEvent, TraceKind, TraceRecorder
 from ..config import EngineConfig
-from ..errors import OmniTrioError
+from ..errors import OmniTrioError, StallError
 from .driver import EngineDriver, leftover_resources, run_driven
 from .faults import Fault, FaultSpec, with_faults
-from .invariants import InvariantViolation, Violation, check_leftovers, check_trace
+from .invariants import (
+    InvariantViolation,
+    Violation,
+    check_leftovers,
+    check_liveness,
+    check_trace,
+)
 
 __all__ = [
     "BENIGN_FAULTS",
@@ -60,12 +70,49 @@ __all__ = [
     "backend_unavailable",
     "engine_config_for",
     "identity_violations",
+    "liveness_bounds",
     "make_engine_machine",
+    "path_hits",
     "run_engine_machine",
 ]
 
 log = logging.getLogger(__name__)
 _K = TraceKind
+# The steps of a long request (80 x 5 ms: it outlives a short deadline).
+_LONG_STEPS = 80
+# How late after its deadline a request may end: within a step (5 ms) or the next step
+# callback, plus the engine loop's own scheduling on a loaded machine.
+_DEADLINE_SLACK_S = 0.2
+# Trace times and the deadline's clock are the same trio clock; a hair of slack for floats.
+_CLOCK_SLACK_S = 1e-3
+# How often wait_for_everything looks at the liveness oracle while it waits.
+_LIVENESS_POLL_S = 0.25
+# The best priority a rising wave gives (the default limits allow -10..10).
+_BEST_PRIORITY = -10
+# The side of an output over the shared-memory threshold.
+_LARGE_SIDE = 640
+
+
+def _violated(violations: list[Violation]) -> NoReturn:
+    """Raise the violations.  Every oracle raises from here: Hypothesis tells failures apart
+    by where they were raised, and whether a bug is first seen by the per-rule check or by
+    the close check depends on timing; one place keeps the two the same failure, so a replay
+    or a shrink step that sees it in the other place still counts."""
+    raise InvariantViolation(violations)
+
+
+def _engine_violation(message: str, where: str = "wait_for_everything") -> Violation:
+    return Violation("INV-6", f"{message} ({where})", None, ())
+
+
+def _is_failure(exc: BaseException | None) -> bool:
+    """Whether an exception ending an example is a finding (not Hypothesis' own control)."""
+    if exc is None or not isinstance(exc, Exception):
+        return False
+    from hypothesis.errors import HypothesisException
+
+    return not isinstance(exc, HypothesisException)
+
 
 # Faults after which the request must not complete (when they fire), and faults that only
 # slow it down.
@@ -98,7 +145,8 @@ class MachineOptions:
 
     backend: str = "inproc"
     mode: str = "request"  # "request" or "step"
-    max_num_seqs: int = 2
+    # Up to 4: the wave rule fuses 2-4 requests into one forward.
+    max_num_seqs: int = 4
     # tractor, ray: data-parallel ranks (each runs different requests).
     data_parallel_size: int = 1
     # The engine's scheduling policy; under "priority" each request draws a priority in
@@ -144,9 +192,15 @@ def backend_unavailable(backend: str) -> str | None:
     return None
 
 
+def _stall_timeout_s(options: MachineOptions) -> float:
+    """The machine's stall deadline: in-process a step's progress is seen at once; worker
+    processes report it in heartbeats, once a second, so theirs must stay above that."""
+    return 0.5 if options.backend == "inproc" else 2.0
+
+
 def engine_config_for(options: MachineOptions) -> EngineConfig:
     """The engine configuration a machine runs: echo, fault injection on, quick restarts,
-    a short stall deadline (so a hang is caught in about a second)."""
+    a short stall deadline (so a hang is caught in half a second)."""
     step = options.mode == "step"
     return EngineConfig(
         model="builtin:echo",
@@ -166,7 +220,10 @@ def engine_config_for(options: MachineOptions) -> EngineConfig:
         worker_restart_backoff_s=0.01,
         worker_restart_backoff_max_s=0.05,
         max_retries_on_worker_failure=1,
-        worker_stall_timeout_s=1.0,
+        worker_stall_timeout_s=_stall_timeout_s(options),
+        # Sleep and wake are RPCs too: bounded (past a restart), so one that is never
+        # answered is a finding (the wake_up rule reports it), not a campaign that hangs.
+        rpc_timeout_s=sum(liveness_bounds(options)[:2]),
         worker_heartbeat_timeout_s=10.0,
         close_timeout_s=5.0,
     )
@@ -188,6 +245,10 @@ class CampaignStats:
     pictures: int = 0
     invariant_checks: int = 0
     engines: int = 0
+    # How often each hard path was reached (see :func:`path_hits`), over every engine closed.
+    hits: dict[str, int] = field(default_factory=dict)
+    # Seconds into the campaign when the first example failed (before any shrinking).
+    first_failure_s: float | None = None
     started_at: float = field(default_factory=time.monotonic)
     last_trace: list[TraceEvent] = field(default_factory=list)
 
@@ -198,6 +259,15 @@ class CampaignStats:
     def rate(self, count: int) -> float:
         return count / max(self.elapsed_s, 1e-9)
 
+    def add_hits(self, hits: dict[str, int]) -> None:
+        for path, count in hits.items():
+            self.hits[path] = self.hits.get(path, 0) + count
+
+    def failed(self) -> None:
+        """Note that an example failed now (only the first time counts)."""
+        if self.first_failure_s is None:
+            self.first_failure_s = self.elapsed_s
+
 
 @dataclass
 class _Submitted:
@@ -207,6 +277,7 @@ class _Submitted:
     # What it asked for, as the reference model knows it (not as the engine reports it).
     seed: int = 0
     outputs: int = 1
+    deadline_s: float | None = None
     # How many of its consumer's outputs the identity oracle has compared so far.
     checked: int = 0
 
@@ -263,6 +334,83 @@ def identity_violations(
     return found
 
 
+#: The hard paths a campaign should reach, counted per engine by :func:`path_hits` (and by
+#: the machine for the ones the trace cannot show) and reported in the campaign summary.
+PATHS = (
+    "fused_wave",  # a forward ran 2 or more requests
+    "abort_mid_forward",  # an abort or consumer drop landed while its forward ran
+    "abort_in_fused_wave",  # ... in a forward of 2 or more
+    "abort_mid_packing",  # ... while its output was being packed (request mode)
+    "mixed_steps",  # admitted while a live request had another step count
+    "crash_mid_forward",  # a worker group failed while a forward ran
+    "crash_while_packing",  # ... while an output was being packed
+    "requeue",  # a request retried on a restarted group
+    "close_with_queued",  # the engine closed with requests still queued
+    "preemption",  # a step-mode preemption (scheduling_policy "priority")
+    "early_output_ready",  # request mode: the output arrived before the forward's reply
+    "large_payload",  # a picture or output over the shared-memory threshold
+)
+
+
+def path_hits(events: Sequence[TraceEvent]) -> dict[str, int]:
+    """How often one engine's trace reached each hard path of :data:`PATHS` that a trace
+    shows (the others are counted by the machine as it submits)."""
+    hits = dict.fromkeys(PATHS, 0)
+    members: dict[int | None, set[str]] = {}  # step id -> requests in that forward
+    in_forward: dict[str, int | None] = {}  # request -> step id of its running forward
+    packing: set[str] = set()
+    queued: set[str] = set()
+    steps: dict[str, Any] = {}  # live request -> its steps
+    for e in events:
+        rid, kind = e.request_id, e.kind
+        if kind is _K.ADMIT and rid is not None:
+            mine = e.detail.get("steps")
+            if any(other != mine for other in steps.values()):
+                hits["mixed_steps"] += 1
+            steps[rid] = mine
+            queued.add(rid)
+        elif kind is _K.REQUEUE and rid is not None:
+            hits["requeue"] += 1
+            queued.add(rid)
+            in_forward.pop(rid, None)
+            packing.discard(rid)
+        elif kind is _K.PREEMPT and rid is not None:
+            hits["preemption"] += 1
+            queued.add(rid)
+            in_forward.pop(rid, None)
+        elif kind is _K.EXEC_START and rid is not None:
+            queued.discard(rid)
+            in_forward[rid] = e.step_id
+            group = members.setdefault(e.step_id, set())
+            group.add(rid)
+            if len(group) == 2:
+                hits["fused_wave"] += 1
+        elif kind is _K.EXEC_RESULT and rid is not None:
+            in_forward.pop(rid, None)
+            if e.detail.get("outcome") == "pending":
+                packing.add(rid)
+        elif kind in (_K.ABORT, _K.CONSUMER_DROP) and rid is not None:
+            if rid in in_forward:
+                hits["abort_mid_forward"] += 1
+                if len(members.get(in_forward[rid], ())) >= 2:
+                    hits["abort_in_fused_wave"] += 1
+            elif rid in packing:
+                hits["abort_mid_packing"] += 1
+        elif kind is _K.TERMINAL and rid is not None:
+            in_forward.pop(rid, None)
+            packing.discard(rid)
+            queued.discard(rid)
+            steps.pop(rid, None)
+        elif kind is _K.CRASH:
+            hits["crash_mid_forward"] += bool(in_forward)
+            hits["crash_while_packing"] += bool(packing)
+            in_forward.clear()  # the group is gone: what it ran is over (or requeued)
+            packing.clear()
+        elif kind is _K.CLOSE:
+            hits["close_with_queued"] += bool(queued)
+    return hits
+
+
 def _fault_fires(spec: FaultSpec | None, steps: int, mode: str = "request") -> bool:
     """Whether ``spec`` (on a request of ``steps`` steps, in ``mode``) makes it fail."""
     if spec is None or spec.kind not in FAILING_FAULTS:
@@ -296,6 +444,26 @@ def _picture_fields(picture: str, seed: int, steps: int) -> dict[str, Any]:
     return fields
 
 
+# How long a worker group may take to restart, per backend (and tractor start method).
+_RESTART_BOUND_S = {"inproc": 5.0, "tractor": 30.0, "ray": 45.0}
+_FORKSERVER_RESTART_BOUND_S = 10.0
+
+
+def liveness_bounds(options: MachineOptions) -> tuple[float, float, float]:
+    """``(bound_s, restart_bound_s, queue_bound_s)`` of the liveness oracle for ``options``
+    (see :func:`~omni_trio.testing.check_liveness`), derived from the fault plan: a hang is
+    caught by the stall deadline, the slowest benign fault adds its delay, and a worker group
+    restarts within its backend's bound."""
+    stall = _stall_timeout_s(options)
+    slowest_benign = 0.1  # the longest delay submit draws for a benign fault
+    bound = 2 * stall + 3 * slowest_benign + 40 * options.step_delay_s
+    if options.backend == "tractor" and options.worker_start_method == "forkserver":
+        restart = _FORKSERVER_RESTART_BOUND_S
+    else:
+        restart = _RESTART_BOUND_S.get(options.backend, 60.0)
+    return bound, restart + bound, 10 * bound + restart
+
+
 def make_engine_machine(
     options: MachineOptions, driver_ref: Callable[[], EngineDriver], stats: CampaignStats
 ) -> type[RuleBasedStateMachine]:
@@ -304,6 +472,12 @@ def make_engine_machine(
     fault_kinds = tuple(sorted(options.faults, key=lambda f: f.value))
     fault_strategy = st.sampled_from(fault_kinds) if fault_kinds else st.nothing()
     prioritised = options.scheduling_policy == "priority"
+    bound_s, restart_bound_s, queue_bound_s = liveness_bounds(options)
+    # After close, every consumer has its terminal output within this (INV-6).
+    close_bound_s = (config.close_timeout_s or 5.0) + bound_s
+    # A ping RPC on a healthy engine answers within this (a hang or a crash under it ends
+    # it sooner, with an error, through the stall deadline and the restart).
+    rpc_bound_s = bound_s + restart_bound_s
 
     class EngineMachine(RuleBasedStateMachine):
         requests = Bundle("requests")
@@ -316,8 +490,25 @@ def make_engine_machine(
             # Trace positions (index in the current recorder) where a fault was injected.
             self.fault_marks: list[int] = []
             self.asleep = False  # the engine was put to sleep and not woken yet
+            self.dropped: set[str] = set()  # requests whose consumer the machine stopped
+            # What the oracles found.  A finding ends the example's work at once (every later
+            # rule does nothing) and is raised by teardown: the example then always ends at
+            # the same place whatever the engine's timing, which Hypothesis needs to replay
+            # and shrink it (a failure seen one rule earlier in a replay would read to it as
+            # a test whose data generation changed).
+            self.found: list[Violation] = []
             self._open_engine()
             stats.examples += 1
+
+        def _found(self, violations: list[Violation]) -> bool:
+            """Keep ``violations`` as the example's finding (the first time, its time is the
+            campaign's first failure); True if there were any."""
+            if not violations:
+                return False
+            if not self.found:
+                stats.failed()
+            self.found.extend(violations)
+            return True
 
         # -- engine lifecycle ------------------------------------------------------------
 
@@ -326,13 +517,14 @@ def make_engine_machine(
             self.driver.consumers.clear()
             self.submitted.clear()
             self.fault_marks.clear()
+            self.dropped.clear()
             self.asleep = False
             self.driver.open(config)
             stats.engines += 1
 
         def _close_engine_and_check(self) -> None:
             driver = self.driver
-            driver.close()
+            stuck = driver.close(consumer_timeout=close_bound_s)
             trace = driver.trace
             last = trace.events[-1].time if len(trace) else 0.0
             trace.record(last, _K.CLOSED, detail={"leftovers": leftover_resources()})
@@ -340,14 +532,32 @@ def make_engine_machine(
             stats.last_trace = events
             stats.restarts += sum(1 for e in events if e.kind is _K.RESTART)
             stats.preemptions += sum(1 for e in events if e.kind is _K.PREEMPT)
+            stats.add_hits(path_hits(events))
             stats.invariant_checks += 1
             violations = check_trace(events, closed=True) + self._identity_violations(events)
-            if violations:
-                raise InvariantViolation(violations)
-            self._check_outcomes(events)
+            violations += self._deadline_violations(events, None)
+            for rid in stuck:
+                history = tuple(e for e in events if e.request_id == rid)
+                violations.append(
+                    Violation(
+                        "INV-6",
+                        f"{rid}: its consumer had no terminal output {close_bound_s:g} s after "
+                        "the engine closed",
+                        rid,
+                        history,
+                    )
+                )
+            if not self._found(violations):
+                self._found(self._check_outcomes(events))
 
-        def _check_outcomes(self, events: list[TraceEvent]) -> None:
+        def _check_outcomes(self, events: list[TraceEvent]) -> list[Violation]:
             """The reference model: what each request must have ended as."""
+            found: list[Violation] = []
+
+            def bad(rid: str, message: str) -> None:
+                history = tuple(e for e in events if e.request_id == rid)
+                found.append(Violation("INV-5", f"{rid}: {message}", rid, history))
+
             first: dict[tuple[str, TraceKind], int] = {}
             terminal_status: dict[str, str] = {}
             for index, event in enumerate(events):
@@ -362,7 +572,9 @@ def make_engine_machine(
             for rid, sub in self.submitted.items():
                 admit = first.get((rid, _K.ADMIT))
                 end = first.get((rid, _K.TERMINAL))
-                assert admit is not None and end is not None, f"{rid}: no admit/terminal"
+                if admit is None or end is None:
+                    bad(rid, "submitted, but no ADMIT or no TERMINAL in the closed trace")
+                    continue
                 status = terminal_status[rid]
                 stopped = min(
                     first.get((rid, _K.ABORT), len(events)),
@@ -371,10 +583,13 @@ def make_engine_machine(
                 )
                 if stopped < end:
                     continue  # aborted, dropped or closed while live: any terminal status
+                if sub.deadline_s is not None and (
+                    events[end].time >= events[admit].time + sub.deadline_s - _CLOCK_SLACK_S
+                ):
+                    continue  # its deadline came first: ended aborted, or done in time
                 if _fault_fires(sub.fault, sub.steps, options.mode):
-                    assert status != "FINISHED_COMPLETED", (
-                        f"{rid}: its fault {sub.fault} fired but it completed"
-                    )
+                    if status == "FINISHED_COMPLETED":
+                        bad(rid, f"its fault {sub.fault} fired but it completed")
                     continue
                 # Exposed: a failing fault was submitted while it lived (it may share its
                 # batch), or its worker group failed while it lived (a neighbour's crash
@@ -382,25 +597,31 @@ def make_engine_machine(
                 exposed = any(admit <= mark <= end for mark in self.fault_marks) or any(
                     admit <= at <= end for at in crashes
                 )
-                if not exposed:
-                    assert status == "FINISHED_COMPLETED", (
-                        f"{rid}: no fault, no abort, no crash while it ran, yet it ended {status}"
-                    )
+                if not exposed and status != "FINISHED_COMPLETED":
+                    bad(rid, f"no fault, no abort, no crash while it ran, yet it ended {status}")
+            return found
 
         # -- rules -------------------------------------------------------------------------
 
         @precondition(lambda self: self.driver.is_open)
         @rule(
             target=requests,
-            steps=st.integers(1, 4),
+            # Now and then a long one (80 steps): it outlives a short deadline, and aborts
+            # and drops land inside its forward.
+            steps=st.sampled_from([1, 2, 3, 4] * 3 + [_LONG_STEPS]),
             seed=st.one_of(st.sampled_from(EDGE_SEEDS), st.integers(0, MAX_SEED)),
             fault=st.one_of(st.none(), st.none(), fault_strategy),
             fault_step=st.integers(0, 3),
             delay=st.sampled_from([0.0, 0.02, 0.1]),
-            # Drawn only under "priority" (st.just draws nothing: other campaigns' examples
-            # and reproducers are unchanged).
+            # Drawn only under "priority" (st.just draws nothing).
             priority=st.integers(-3, 3) if prioritised else st.just(0),
             picture=st.sampled_from(PICTURES) if options.pictures else st.just("none"),
+            # Now and then an output over the shared-memory threshold (640 x 640 x 3 bytes).
+            side=st.sampled_from([32, 32, 32, _LARGE_SIDE]),
+            # Now and then two images (the identity oracle checks each one's index), and a
+            # deadline (the request must end within a step of it; the oracle checks that).
+            outputs=st.sampled_from([1, 1, 1, 2]),
+            deadline=st.sampled_from([None, None, None, 0.02, 0.3]),
         )
         def submit(
             self,
@@ -411,13 +632,20 @@ def make_engine_machine(
             delay: float,
             priority: int,
             picture: str,
+            side: int,
+            outputs: int,
+            deadline: float | None,
         ) -> str:
+            if self.found:
+                return "none"
             params = SamplingParams(
                 num_inference_steps=steps,
                 seed=seed,
-                height=32,
-                width=32,
+                height=side,
+                width=side,
                 priority=priority,
+                num_outputs_per_prompt=outputs,
+                deadline_s=deadline,
                 **_picture_fields(picture, seed, steps),
             )
             steps = params.total_steps
@@ -434,40 +662,208 @@ def make_engine_machine(
             try:
                 rid = self.driver.submit("fuzz", params)
             except OmniTrioError as exc:  # dead engine: acceptable only if it says so
-                assert self.driver.engine is not None and self.driver.engine.is_dead, exc
+                self._refused(exc)
                 return "none"
             if spec is not None:
                 stats.faults_injected += 1
                 if spec.kind in FAILING_FAULTS:
                     self.fault_marks.append(mark)
-            self.submitted[rid] = _Submitted(rid, steps, spec, seed=seed)
+            self.submitted[rid] = _Submitted(
+                rid, steps, spec, seed=seed, outputs=outputs, deadline_s=deadline
+            )
             stats.requests += 1
-            if picture != "none":
-                stats.pictures += 1
+            self._count_submitted(spec, picture, side)
             stats.rules += 1
             return rid
+
+        def _refused(self, exc: OmniTrioError) -> None:
+            """A valid request was refused at admission: fine only from a dead engine."""
+            engine = self.driver.engine
+            if engine is None or not engine.is_dead:
+                message = f"a valid request was refused by a live engine: {exc!r}"
+                self._found([_engine_violation(message, "submit")])
+
+        def _count_submitted(self, spec: FaultSpec | None, picture: str, side: int) -> None:
+            """The hard paths only the machine sees as it submits (see :data:`PATHS`)."""
+            if picture != "none":
+                stats.pictures += 1
+            if picture == "large" or side >= _LARGE_SIDE:
+                stats.add_hits({"large_payload": 1})
+            if (
+                spec is not None
+                and spec.kind is Fault.DELAY_COMPUTE_DONE
+                and options.mode == "request"
+            ):
+                stats.add_hits({"early_output_ready": 1})
+
+        @precondition(lambda self: self.driver.is_open and not self.asleep)
+        @rule(
+            target=requests,
+            size=st.integers(2, 4),
+            steps=st.integers(1, 4),
+            seeds=st.lists(
+                st.one_of(st.sampled_from(EDGE_SEEDS), st.integers(0, MAX_SEED)),
+                min_size=4,
+                max_size=4,
+            ),
+            then=st.sampled_from(["nothing", "abort", "drop", "crash"]),
+            victim=st.integers(0, 3),
+            when=st.sampled_from(["forward", "reply", "packing"]),
+            late_reply=st.booleans(),
+            # Drawn only where they matter (st.just draws nothing).
+            rising=st.booleans() if prioritised else st.just(False),
+            mixed=st.booleans() if options.pictures else st.just(False),
+        )
+        def submit_wave(
+            self,
+            size: int,
+            steps: int,
+            seeds: list[int],
+            then: str,
+            victim: int,
+            when: str,
+            late_reply: bool,
+            rising: bool,
+            mixed: bool,
+        ) -> Any:
+            """A wave of 2-4 compatible requests submitted at once (they fuse into one
+            forward), and then, unless ``then`` is "nothing", one of them aborted, dropped or
+            its worker crashed while its forward runs or while its output is packed (a slow
+            packing fault on it, where the campaign's faults allow, widens that window).
+            ``when`` "reply" acts as the forward ends (after its steps' time): with
+            ``late_reply`` that is after its output was packed but before the forward's
+            reply, which is delayed past it (request mode; the batch output then also
+            arrives before its split is known).  ``rising`` (priority policy): each member
+            outranks the one before, so with a full batch later ones preempt earlier ones
+            in step mode.  ``mixed`` (pictures): the second member starts from a picture of
+            the same size and step count (it must not share their forward)."""
+            total = max(size, options.max_num_seqs + 1) if rising else size
+            if self.found:
+                return multiple(*["none"] * total)
+            driver = self.driver
+            ids: list[str] = []
+            victim %= size
+            batch = options.max_num_seqs
+            # Rising priorities (``total`` above): the batch fills first, and once its first
+            # member runs, the better rest (one more than fits) arrives: each must preempt
+            # a running one (step mode).
+            for index in range(total):
+                if rising and index == min(size, batch) and ids:
+                    self._wait_for_phase(ids[0], "forward")
+                picture: dict[str, Any] = {}
+                if mixed and index == 1:
+                    picture = {**_picture_fields("small", seeds[index], 1), "strength": 1.0}
+                params = SamplingParams(
+                    num_inference_steps=steps,
+                    seed=seeds[index % len(seeds)],
+                    height=32,
+                    width=32,
+                    priority=max(-index, _BEST_PRIORITY) if rising else 0,
+                    **picture,
+                )
+                spec: FaultSpec | None = None
+                slow = (
+                    index == victim
+                    and when == "packing"
+                    and then != "nothing"
+                    and Fault.SLOW_PACKING in options.faults
+                )
+                if slow:
+                    spec = FaultSpec(Fault.SLOW_PACKING, delay_s=0.1)
+                elif (
+                    index == (victim if then != "nothing" else 0)
+                    and late_reply
+                    and Fault.DELAY_COMPUTE_DONE in options.faults
+                ):
+                    # The forward's reply comes after the batch's packed output (request mode).
+                    spec = FaultSpec(Fault.DELAY_COMPUTE_DONE, delay_s=0.05)
+                if spec is not None:
+                    params = with_faults(params, spec)
+                    self._count_submitted(spec, "none", 32)
+                try:
+                    rid = driver.submit("fuzz", params)
+                except OmniTrioError as exc:
+                    self._refused(exc)
+                    break
+                ids.append(rid)
+                self.submitted[rid] = _Submitted(rid, steps, spec, seed=seeds[index % len(seeds)])
+                stats.requests += 1
+                stats.pictures += bool(picture)
+                if spec is not None:
+                    stats.faults_injected += 1
+            if then != "nothing" and victim < len(ids):
+                target = ids[victim]
+                self._wait_for_phase(target, "packing" if when == "packing" else "forward")
+                if when == "reply":  # the forward's steps have run by now
+                    self.driver.sleep(steps * options.step_delay_s + 0.005)
+                if then == "abort":
+                    driver.abort(target)
+                elif then == "drop":
+                    if driver.drop(target):
+                        self.dropped.add(target)
+                elif options.crash_rule:
+                    self.crash_worker()
+            stats.rules += 1
+            # Always ``total`` entries ("none" for one refused by a dead engine): what later
+            # rules can draw from must not depend on the engine's timing.
+            return multiple(*ids, *["none"] * (total - len(ids)))
+
+        def _wait_for_phase(self, request_id: str, phase: str) -> None:
+            """Until ``request_id`` is in its forward ("forward") or its output is being
+            packed ("packing"), or it ended, for at most a second."""
+            driver = self.driver
+            engine = driver.engine
+            assert engine is not None
+
+            def there() -> bool:
+                core = engine.core
+                if not core.is_live(request_id):
+                    return True
+                if phase == "forward":
+                    return request_id in core.in_flight_ids()
+                return request_id in core.awaited_outputs().values()
+
+            async def wait() -> None:
+                with trio.move_on_after(1.0):
+                    # Polled: the core has no event for "entered a phase" (a millisecond
+                    # is well under one echo step).
+                    for _ in itertools.count():
+                        if there():
+                            return
+                        await trio.sleep(0.001)
+
+            driver.run(wait)
 
         @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
         def abort(self, rid: str) -> None:
+            if self.found:
+                return
             self.driver.abort(rid)
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
         def drop_consumer(self, rid: str) -> None:
-            self.driver.drop(rid)
+            if self.found:
+                return
+            if self.driver.drop(rid):
+                self.dropped.add(rid)
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open)
-        @rule(seconds=st.sampled_from([0.0, 0.01, 0.05, 0.2]))
+        @rule(seconds=st.sampled_from([0.0, 0.005, 0.02, 0.1]))
         def let_time_pass(self, seconds: float) -> None:
+            if self.found:
+                return
             self.driver.sleep(seconds)
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open and options.crash_rule)
         @rule()
         def crash_worker(self) -> None:
+            if self.found:
+                return
             self.fault_marks.append(len(self.driver.trace))
             self.driver.crash_worker()
             stats.crashes += 1
@@ -477,8 +873,16 @@ def make_engine_machine(
         @precondition(lambda self: self.driver.is_open)
         @rule()
         def rpc(self) -> None:
+            if self.found:
+                return
+            mark = len(self.driver.trace)
             try:
-                reply = self.driver.rpc("ping", timeout=10.0)
+                reply = self.driver.rpc("ping", timeout=rpc_bound_s)
+            except StallError as exc:
+                # No answer in time.  Fine only if the group failed meanwhile (a hang or a
+                # crash ends it with an error too, but may take a restart to do so).
+                if not self._group_failed_since(mark):
+                    self._found([_engine_violation(f"a ping RPC got no answer: {exc}", "rpc")])
             except OmniTrioError:
                 pass  # the group failed under it, or the engine died: a typed error is fine
             else:
@@ -491,16 +895,42 @@ def make_engine_machine(
             """Put the workers to sleep (weights released) between waves: requests
             submitted meanwhile wait; the ones running finish first (or the sleep fails,
             typed, and the engine stays awake)."""
-            self.asleep = self.driver.sleep_engine(level)
-            note(f"sleep({level}) -> {'asleep' if self.asleep else 'failed'}")
+            # The machine counts the engine asleep either way (a failed sleep leaves it awake,
+            # and waking an awake engine is a no-op): which rules may come next must not
+            # depend on the engine's timing, or Hypothesis cannot replay the example.
+            self.asleep = True
+            if self.found:
+                return
+            fell = self.driver.sleep_engine(level)
+            note(f"sleep({level}) -> {'asleep' if fell else 'failed'}")
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open and self.asleep)
         @rule()
         def wake_up(self) -> None:
             """Give the weights back: every waiting request runs, with its own image."""
-            self.driver.wake_engine()
             self.asleep = False
+            if self.found:
+                return
+            mark = len(self.driver.trace)
+            try:
+                self.driver.wake_engine()
+            except StallError as exc:  # no answer: a finding unless the group failed
+                if not self._group_failed_since(mark):
+                    message = f"the wake RPC got no answer: {exc}"
+                    self._found([_engine_violation(message, "wake_up")])
+
+        def _group_failed_since(self, mark: int) -> bool:
+            """Whether the trace since position ``mark``, or a restart still under way,
+            shows the worker group failing (a crash, a stall, a restart, death)."""
+            driver = self.driver
+            events = driver.call(lambda: driver.trace.events)
+            failing = (_K.CRASH, _K.STALL, _K.DEAD, _K.RESTART)
+            if any(e.kind in failing for e in events[mark:]):
+                return True
+            crashes = [e.seq for e in events if e.kind is _K.CRASH]
+            restarts = [e.seq for e in events if e.kind is _K.RESTART]
+            return bool(crashes) and (not restarts or restarts[-1] < crashes[-1])
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open)
@@ -508,25 +938,33 @@ def make_engine_machine(
         def wait_for_everything(self) -> None:
             """Every consumer is done, the engine settles, and then nothing anywhere (core,
             streams, pump, runner and step state, stop flags, packer) holds a request."""
+            if self.found:
+                return
             driver = self.driver
             if self.asleep:  # nothing waiting would ever finish
                 self.wake_up()
-            assert driver.wait_finished(timeout=options.settle_timeout_s), (
-                "requests did not finish within the settle timeout (INV-6)"
-            )
+            give_up = time.monotonic() + options.settle_timeout_s
+            while not driver.wait_finished(timeout=_LIVENESS_POLL_S):
+                if self._check_liveness():  # a request stuck in some phase: found, named
+                    return
+                if time.monotonic() > give_up:
+                    self._found([_engine_violation("requests did not finish in time")])
+                    return
             held = driver.settle(timeout=options.settle_timeout_s)
-            assert held is not None, "the engine did not settle within the timeout (INV-6)"
+            if held is None:
+                self._found([_engine_violation("the engine did not settle in time")])
+                return
             events = driver.call(lambda: driver.trace.events)
             stats.invariant_checks += 1
-            violations = check_leftovers(held, events, settled=True)
-            if violations:
+            if self._found(check_leftovers(held, events, settled=True)):
                 stats.last_trace = events
-                raise InvariantViolation(violations)
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open and options.close_rule)
         @rule()
         def close_and_reopen(self) -> None:
+            if self.found:
+                return
             self._close_engine_and_check()
             self._open_engine()
             stats.rules += 1
@@ -535,19 +973,104 @@ def make_engine_machine(
         def no_violation_so_far(self) -> None:
             """The trace so far, and what every component holds now, break no invariant."""
             driver = self.driver
-            if not driver.is_open:
+            if not driver.is_open or self.found:
                 return
             stats.invariant_checks += 1
             engine = driver.engine
             assert engine is not None
-            events, held, flying = driver.call(
-                lambda: (driver.trace.events, engine.leftovers(), engine.core.in_flight_ids())
+            events, held, flying, now = driver.call(
+                lambda: (
+                    driver.trace.events,
+                    engine.leftovers(),
+                    engine.core.in_flight_ids(),
+                    trio.current_time(),
+                )
             )
             violations = check_trace(events) + check_leftovers(held, events, in_flight=flying)
             violations += self._identity_violations(events)
             if violations:
                 stats.last_trace = events
-                raise InvariantViolation(violations)
+                self._found(violations)
+            elif self._liveness_violations(events, now):
+                self._check_liveness()  # confirmed after a second look, or not at all
+
+        def _liveness_violations(self, events: list[TraceEvent], now: float) -> list[Violation]:
+            """The liveness oracle (INV-6): skipped while the engine sleeps on purpose."""
+            if self.asleep:
+                return []
+            found = check_liveness(
+                events,
+                now,
+                bound_s=bound_s,
+                restart_bound_s=restart_bound_s,
+                queue_bound_s=queue_bound_s,
+                dropped=self.dropped,
+            )
+            return found + self._deadline_violations(events, now)
+
+        def _deadline_violations(
+            self, events: list[TraceEvent], now: float | None
+        ) -> list[Violation]:
+            """A request with ``deadline_s`` ends within ``_DEADLINE_SLACK_S`` of it (INV-6:
+            a step or a step callback, and the loop's scheduling).  A restart, a sleep or a
+            close while it lived excuses it (the core ends it once the engine runs again).
+            ``now`` None: the trace is closed."""
+            found: list[Violation] = []
+            timed = {rid: sub for rid, sub in self.submitted.items() if sub.deadline_s}
+            if not timed:
+                return found
+            admitted: dict[str, TraceEvent] = {}
+            ended: dict[str, TraceEvent] = {}
+            excused: set[str] = set()
+            for event in events:
+                rid = event.request_id
+                if rid is None:
+                    if event.kind in (_K.CRASH, _K.SLEEP, _K.CLOSE):
+                        excused.update(r for r in admitted if r not in ended)
+                elif rid in timed:
+                    if event.kind is _K.ADMIT:
+                        admitted.setdefault(rid, event)
+                    elif event.kind is _K.TERMINAL:
+                        ended.setdefault(rid, event)
+            for rid, sub in timed.items():
+                admit = admitted.get(rid)
+                if admit is None or rid in excused or sub.deadline_s is None:
+                    continue
+                due = admit.time + sub.deadline_s + _DEADLINE_SLACK_S
+                end = ended.get(rid)
+                late = (end.time if end is not None else now) or 0.0
+                if (end is not None or now is not None) and late > due:
+                    what = "ended" if end is not None else "is still live"
+                    history = tuple(e for e in events if e.request_id == rid)
+                    found.append(
+                        Violation(
+                            "INV-6",
+                            f"{rid}: {what} {late - admit.time:.2f} s after admission; its "
+                            f"deadline_s={sub.deadline_s:g} (+ {_DEADLINE_SLACK_S:g} s allowed)",
+                            rid,
+                            history,
+                        )
+                    )
+            return found
+
+        def _check_liveness(self) -> bool:
+            """The liveness oracle now; True if it found something.  What it finds must be
+            there on a second look too, after the engine's loop ran for a moment: a real
+            hang stays, a loop that was merely held up (a loaded machine) catches up."""
+            driver = self.driver
+
+            def look() -> tuple[list[TraceEvent], list[Violation]]:
+                events, now = driver.call(lambda: (driver.trace.events, trio.current_time()))
+                return events, self._liveness_violations(events, now)
+
+            events, found = look()
+            if found:
+                driver.sleep(_LIVENESS_POLL_S)
+                events, found = look()
+            if self._found(found):
+                stats.last_trace = events
+                return True
+            return False
 
         def _identity_violations(self, events: list[TraceEvent]) -> list[Violation]:
             """The identity oracle over what each consumer received since the last check."""
@@ -566,8 +1089,16 @@ def make_engine_machine(
             return found
 
         def teardown(self) -> None:
+            """Close the engine (its whole trace checked) and raise what was found."""
+            failing = sys.exc_info()[1]  # teardown runs in Hypothesis' finally
+            if _is_failure(failing):
+                stats.failed()  # a rule raised (a driver call that timed out, an assert)
             if self.driver.is_open:
                 self._close_engine_and_check()
+            if self.found and not _is_failure(failing):
+                _violated(self.found)
+            if self.found:  # a rule's own failure is the finding; add what the oracles saw
+                note(f"and the oracles found: {InvariantViolation(self.found)}")
 
     EngineMachine.__name__ = EngineMachine.__qualname__ = (
         f"EngineMachine_{options.backend}_{options.mode}"

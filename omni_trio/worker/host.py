@@ -206,15 +206,24 @@ class WorkerHost:
             end_process_soon(FATAL_EXIT_GRACE_S)
         return reply
 
+    def received(self, call: WorkerCall) -> None:
+        """A call arrived (before it runs, in order with aborts): a forward's requests may
+        be aborted again (see :meth:`Worker.forward_dispatched`)."""
+        if call.method == "execute_scheduler_output" and call.args:
+            ids = getattr(call.args[0], "scheduled_request_ids", ())
+            self.worker.forward_dispatched(ids)
+
     def abort(self, abort: WorkerAbort) -> None:
         worker = self.worker
-        if abort.request_ids:  # noted before the flags are set, and apart from them
-            worker.mark_aborted(abort.request_ids)
+        ids = abort.request_ids
+        if ids:  # noted before the flags are set, and apart from them
+            worker.mark_aborted(ids)
         flags = worker.stop_flags
         if abort.everything:
             flags.stop_everything()
-        if abort.request_ids:
-            flags.abort(abort.request_ids)
+        if ids:
+            flags.abort(ids)
+            worker.drop_late_aborts(ids)  # a forward already over: nothing to stop
 
     def heartbeat(self, now: float | None = None) -> Heartbeat:
         """The rank's heartbeat now (``now``: the shim's monotonic clock, for

@@ -141,6 +141,7 @@ class RayWorker:
             return failure_reply(
                 call, RuntimeError("the worker is not started"), rank=self.rank, steps=0
             )
+        host.received(call)
         return to_cpu(host.call(call))
 
     def shutdown(self) -> bool:

@@ -410,7 +410,8 @@ class ModelRunner:
         if self._model is None:
             raise RuntimeError("model not loaded")
         released = self._model.sleep(level, directory)
-        gc.collect()
+        if self._model.holds_weights:
+            gc.collect()
         return released
 
     def wake_up(self) -> int:
@@ -425,10 +426,12 @@ class ModelRunner:
         if step_runner is not None:
             step_runner.close()
         model, self._model = self._model, None
+        collect = model is None or model.holds_weights
         if model is not None:
             model.close()
             del model
-        gc.collect()
+        if collect:
+            gc.collect()
         try:
             import torch
 

@@ -262,6 +262,7 @@ async def serve_worker(
                 if isinstance(message, WorkerAbort):
                     host.abort(message)
                 elif isinstance(message, WorkerCall):
+                    host.received(message)
                     nursery.start_soon(run_call, message)
                 else:
                     log.error("worker %d: unexpected message %r", rank, type(message).__name__)

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["RPC_METHODS", "Worker", "rank_device", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
+# How many request-mode forwards that are over a worker remembers (to ignore late aborts).
+_FORWARDS_REMEMBERED = 1024
 
 # Methods callable through collective_rpc.  Anything else is refused, unless it is a public
 # method of the worker extension (config.worker_extension_cls; omni_trio.worker.extension).
@@ -148,6 +150,11 @@ class Worker:
         self.stop_flags = stop_flags if stop_flags is not None else StopFlags()
         # When each abort reached this worker (promptness is measured from these).
         self.abort_marks = AbortMarks()
+        # Ids of the request-mode forwards that are over, most recent last (a bounded
+        # memory): an abort that reaches this worker after its request's forward returned
+        # has nothing left to stop or measure, and would otherwise stay flagged until some
+        # later wave happened to name the id among its finished ones.
+        self._forwards_over: dict[str, None] = {}
         self.progress: StepProgress = progress if progress is not None else {}
         self.runner: ModelRunner | None = None
         self.packer: OutputPacker | None = None
@@ -312,6 +319,49 @@ class Worker:
         requests = [r.request for r in scheduler_output.scheduled_new_reqs]
         if not requests:  # a data-parallel rank told only of finished requests
             return BatchRunnerOutput()
+        ids = scheduler_output.scheduled_request_ids
+        self.forward_dispatched(ids)  # (the shims say so earlier, as the call arrives)
+        try:
+            return self._forward(runner, scheduler_output, requests, rpc_id)
+        finally:
+            # The call is over (a late reply included): its requests' stop flags and abort
+            # marks have done their job, and later aborts of them are ignored.
+            self._forward_over(ids)
+
+    def _forward_over(self, request_ids: Iterable[str]) -> None:
+        over = self._forwards_over
+        for rid in request_ids:  # first noted, then forgotten: see drop_late_aborts
+            over[rid] = None
+        while len(over) > _FORWARDS_REMEMBERED:
+            del over[next(iter(over))]
+        self.stop_flags.forget(request_ids)
+        self.abort_marks.forget(request_ids)
+
+    def forward_dispatched(self, request_ids: Iterable[str]) -> None:
+        """A forward of ``request_ids`` was handed to this worker (called as the call
+        arrives, in order with aborts): their aborts count again, even for an id whose
+        earlier forward is over (admitted anew)."""
+        for rid in request_ids:
+            self._forwards_over.pop(rid, None)
+
+    def drop_late_aborts(self, request_ids: Iterable[str]) -> None:
+        """Called right after an abort of ``request_ids`` set their marks and flags: forget
+        them again for the ids whose forward is over (nothing left to stop or measure).
+        Flags first, then this check, while the forward adds its ids and then forgets: in
+        any interleaving of the two threads nothing is left behind."""
+        over = self._forwards_over
+        late = [rid for rid in request_ids if rid in over]
+        if late:
+            self.stop_flags.forget(late)
+            self.abort_marks.forget(late)
+
+    def _forward(
+        self,
+        runner: ModelRunner,
+        scheduler_output: SchedulerOutput,
+        requests: list[DiffusionRequest],
+        rpc_id: str,
+    ) -> BatchRunnerOutput:
         try:
             done, forwarded = runner.forward_batch(requests)
         finally:

@@ -1038,3 +1038,82 @@ def test_shared_memory_left_once_settled_is_reported() -> None:
     assert check_leftovers(held, t.events) == []
     [v] = check_leftovers(held, t.events, settled=True)
     assert v.request_id is None and "shm_segments still holds 'omni_trio_ab_" in v.message
+
+
+# --------------------------------------------------------------------------------------------
+# The liveness oracle
+
+
+def _liveness(trace: Trace, after: float, **kwargs: Any) -> list[Violation]:
+    from omni_trio.testing.invariants import check_liveness
+
+    kwargs.setdefault("bound_s", 1.0)
+    return check_liveness(trace.events, trace.now + after, **kwargs)
+
+
+def test_liveness_a_request_moving_within_its_bound_is_fine() -> None:
+    t = Trace().admit("a").ev(K.SCHEDULE, "a", step_id=1).ev(K.EXEC_START, "a", step_id=1)
+    assert _liveness(t, 0.9) == []
+
+
+@pytest.mark.parametrize(
+    ("build", "phase"),
+    [
+        (lambda t: t.ev(K.SCHEDULE, "a", step_id=1).ev(K.EXEC_START, "a", step_id=1), "forward"),
+        (
+            lambda t: t.ev(K.EXEC_START, "a", step_id=1).ev(
+                K.EXEC_RESULT, "a", step_id=1, outcome="pending"
+            ),
+            "packing",
+        ),
+        (lambda t: t.ev(K.ABORT, "a", reason="api"), "being aborted"),
+        (lambda t: t.ev(K.CHUNK, "a", chunk_index=0), "streaming"),
+    ],
+)
+def test_liveness_a_request_stuck_in_a_phase_is_named(
+    build: Callable[[Trace], Trace], phase: str
+) -> None:
+    t = build(Trace().admit("a"))
+    found = _liveness(t, 1.5)
+    assert [v.invariant for v in found] == ["INV-6"]
+    assert phase in found[0].message and found[0].request_id == "a"
+
+
+def test_liveness_a_queued_request_waits_for_the_engine_not_for_itself() -> None:
+    t = Trace().admit("a").admit("b").ev(K.EXEC_START, "a", step_id=1)
+    t.ev(K.EXEC_RESULT, "a", step_id=1, outcome="ok", dt=0.9)
+    t.ev(K.EXEC_START, "a", step_id=2, dt=0.9)  # b has not moved for 1.8 s, but a has
+    assert _liveness(t, 0.5) == []
+    found = _liveness(t, 1.5)  # now nobody has moved for 1.5 s
+    assert {v.request_id for v in found} == {"a", "b"}
+    assert any("queued" in v.message for v in found if v.request_id == "b")
+
+
+def test_liveness_a_starved_request_is_caught_by_the_queue_bound() -> None:
+    t = Trace().admit("low").admit("a")
+    for step in range(1, 30):
+        t.ev(K.EXEC_START, "a", step_id=step, dt=0.2)
+    assert _liveness(t, 0.1) == []  # no queue bound: waiting while others run is fine
+    found = _liveness(t, 0.1, queue_bound_s=5.0)
+    assert [v.request_id for v in found] == ["low"] and "starved" in found[0].message
+
+
+def test_liveness_a_restart_gets_its_own_bound() -> None:
+    t = Trace().admit("a").ev(K.EXEC_START, "a", step_id=1).ev(K.CRASH, worker=0, generation=1)
+    assert _liveness(t, 3.0, restart_bound_s=5.0) == []
+    assert _liveness(t, 6.0, restart_bound_s=5.0)
+    t.ev(K.RESTART, generation=2, dt=4.0).ev(K.REQUEUE, "a", retry=1)
+    assert _liveness(t, 0.5, restart_bound_s=5.0) == []
+
+
+def test_liveness_a_terminal_output_must_reach_its_consumer() -> None:
+    t = Trace().admit("a").ev(K.EXEC_START, "a", step_id=1)
+    t.ev(K.EXEC_RESULT, "a", step_id=1, outcome="ok").ev(K.TERMINAL, "a", status=DONE)
+    found = _liveness(t, 1.5)
+    assert found and "no OUTPUT" in found[0].message
+    t.ev(K.OUTPUT, "a", status=DONE, delivered=True)
+    found = _liveness(t, 1.5)
+    assert found and "consumer has not received it" in found[0].message
+    assert _liveness(t, 1.5, dropped={"a"}) == []  # its consumer was stopped
+    t.ev(K.RECEIVED, "a", finished=True, chunk_index=0)
+    assert _liveness(t, 5.0) == []

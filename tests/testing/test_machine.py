@@ -184,3 +184,99 @@ def test_the_machine_catches_an_explicit_seed_0_replaced_at_admission(
     with pytest.raises(InvariantViolation, match="it asked for 0"):
         run_engine_machine(options, budget, stats=stats)
     assert stats.requests, stats
+
+
+def test_path_hits_reads_the_hard_paths_off_a_trace() -> None:
+    from omni_trio._core.trace import TraceKind as K
+    from omni_trio._core.trace import TraceRecorder
+    from omni_trio.testing.machine import PATHS, path_hits
+
+    rec = TraceRecorder()
+    now = iter(range(1, 100))
+
+    def ev(kind: K, rid: str | None = None, step: int | None = None, **detail: Any) -> None:
+        rec.record(float(next(now)), kind, rid, step_id=step, detail=detail)
+
+    ev(K.ADMIT, "a", steps=2)
+    ev(K.ADMIT, "b", steps=2)
+    ev(K.ADMIT, "c", steps=3)  # another step count while a and b live
+    ev(K.EXEC_START, "a", 1)
+    ev(K.EXEC_START, "b", 1)  # a fused wave of two
+    ev(K.ABORT, "a", reason="api")  # mid-forward, in the fused wave
+    ev(K.EXEC_RESULT, "b", 1, outcome="pending")
+    ev(K.ABORT, "b", reason="api")  # mid-packing
+    ev(K.CRASH)  # while b's output is packed (and a's forward has not answered)
+    ev(K.ABORT, "a", reason="api")  # after the crash: its forward is gone, not mid-forward
+    ev(K.REQUEUE, "c", retry=1)
+    ev(K.CLOSE)  # c still queued
+    hits = path_hits(rec.events)
+    assert set(hits) == set(PATHS)
+    assert hits["fused_wave"] == 1 and hits["mixed_steps"] == 1
+    assert hits["abort_mid_forward"] == 1 and hits["abort_in_fused_wave"] == 1
+    assert hits["abort_mid_packing"] == 1
+    assert hits["crash_mid_forward"] == 1 and hits["crash_while_packing"] == 1
+    assert hits["requeue"] == 1 and hits["close_with_queued"] == 1
+    assert hits["preemption"] == 0
+    assert path_hits([]) == dict.fromkeys(PATHS, 0)
+
+
+def test_liveness_bounds_come_from_the_fault_plan() -> None:
+    from omni_trio.testing.machine import liveness_bounds
+
+    bound, restart, queue = liveness_bounds(MachineOptions())
+    stall = engine_config_for(MachineOptions()).worker_stall_timeout_s
+    assert stall is not None and bound > 2 * stall  # a hang is caught by the stall first
+    assert restart > bound and queue > restart
+    slow, _, _ = liveness_bounds(MachineOptions(step_delay_s=0.05))
+    assert slow > bound  # slower steps, longer bounds
+    _, forked, _ = liveness_bounds(
+        MachineOptions(backend="tractor", worker_start_method="forkserver")
+    )
+    _, spawned, _ = liveness_bounds(MachineOptions(backend="tractor"))
+    assert forked < spawned
+
+
+@pytest.mark.parametrize(
+    ("mutant", "oracle", "faults"),
+    [
+        ("fused-survivors-by-position", "is the image of request", ()),  # identity
+        ("abort-sets-no-stop-flag", "more denoising steps after the abort", ()),  # promptness
+        ("consumer-drop-leaks-stream", "engine_streams", ()),  # leftovers
+        ("heartbeat-resets-stall-clock", "without progress", (Fault.HANG_AT_STEP,)),  # liveness
+        ("deadline-never-fires", "deadline_s=", ()),  # deadlines
+    ],
+)
+def test_each_oracle_finds_its_class_of_planted_bug(
+    mutant: str, oracle: str, faults: tuple[Fault, ...], cache_dir: Path
+) -> None:
+    """A short campaign against one shipped mutant per oracle ends in an InvariantViolation
+    from that oracle (found, not shrunk: bounded; only the faults the bug needs, no crash or
+    close rule, so a fixed seed reaches it in a few examples)."""
+    from hypothesis import Phase
+
+    from omni_trio.testing.invariants import InvariantViolation
+    from omni_trio.testing.mutants import applied, find_mutant
+
+    planted = find_mutant(mutant)
+    options = MachineOptions(
+        cache_dir=str(cache_dir),
+        faults=faults,
+        crash_rule=False,
+        close_rule=False,
+        **dict(planted.options),
+    )
+    budget = settings(
+        max_examples=60,
+        stateful_step_count=20,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    stats = CampaignStats()
+    with applied(planted), pytest.raises(InvariantViolation) as caught:
+        run_engine_machine(options, budget, stats=stats)
+    assert oracle in str(caught.value), str(caught.value)[:2000]
+    assert planted.invariant in str(caught.value)
+    assert stats.first_failure_s is not None and stats.first_failure_s <= stats.elapsed_s

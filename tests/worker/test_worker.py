@@ -301,3 +301,32 @@ def test_profile_rpcs_trace_the_forwards_and_shutdown_writes_nothing(
     worker.shutdown()
     assert not worker.profiler.active and not (tmp_path / "left-rank0.json").exists()
     assert worker.execute_method("discard_profile") is False
+
+
+def test_an_abort_that_reaches_the_worker_after_its_forward_leaves_nothing(
+    worker: Worker,
+) -> None:
+    """Found by the fuzzer (a wave's reply delayed past its steps, a consumer dropped in
+    between): an abort arriving once the request's forward is over set an abort mark (and a
+    stop flag) that nothing cleared on an idle engine.  Such an abort is dropped again now;
+    one that arrives before its forward starts still counts, and an id dispatched again (a
+    request admitted anew under the same id) can be aborted again."""
+
+    def abort(*ids: str) -> None:  # what WorkerHost.abort and the inproc executor do
+        worker.mark_aborted(ids)
+        worker.stop_flags.abort(ids)
+        worker.drop_late_aborts(ids)
+
+    worker.execute_scheduler_output(wave(request("a")))
+    abort("a")
+    held = worker.leftovers()
+    assert held["abort_marks"] == set() and held["stop_flags"] == set()
+    abort("b")  # b's wave has not run yet: its abort is noted
+    held = worker.leftovers()
+    assert held["abort_marks"] == {"b"} and held["stop_flags"] == {"b"}
+    worker.execute_scheduler_output(wave(request("b")))
+    assert worker.leftovers()["abort_marks"] == set()
+    # "a" again, dispatched (the call arrived) but not started: its abort counts.
+    worker.forward_dispatched(["a"])
+    abort("a")
+    assert worker.leftovers()["stop_flags"] == {"a"}
