@@ -269,7 +269,12 @@ def _campaign(
     first = campaign.get("first_failure_s")
     elapsed = campaign.get("elapsed_s")
     shrink = None if first is None or elapsed is None else round(float(elapsed) - float(first), 1)
-    message = str((record.get("failure") or {}).get("message", ""))
+    failure = record.get("failure") or {}
+    # A flaky failure's message is Hypothesis' own: the violations are in violations.txt.
+    violations = found[-1].parent / "violations.txt"
+    message = str(failure.get("message", ""))
+    if violations.is_file():
+        message += violations.read_text("utf-8")
     caught = sorted(set(_INVARIANT.findall(message))) or [
         str((record.get("failure") or {}).get("type", "?"))
     ]

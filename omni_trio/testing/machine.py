@@ -78,8 +78,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _K = TraceKind
-# The steps of a long request (80 x 5 ms: it outlives a short deadline).
-_LONG_STEPS = 80
+# The steps of a long request (120 x 5 ms: it outlives either deadline by more than the
+# slack below).
+_LONG_STEPS = 120
 # How late after its deadline a request may end: within a step (5 ms) or the next step
 # callback, plus the engine loop's own scheduling on a loaded machine.
 _DEADLINE_SLACK_S = 0.2
@@ -491,6 +492,8 @@ def make_engine_machine(
             self.fault_marks: list[int] = []
             self.asleep = False  # the engine was put to sleep and not woken yet
             self.dropped: set[str] = set()  # requests whose consumer the machine stopped
+            # A hang was injected in this engine and no rule has waited it out since.
+            self.hang_pending = False
             # What the oracles found.  A finding ends the example's work at once (every later
             # rule does nothing) and is raised by teardown: the example then always ends at
             # the same place whatever the engine's timing, which Hypothesis needs to replay
@@ -518,6 +521,7 @@ def make_engine_machine(
             self.submitted.clear()
             self.fault_marks.clear()
             self.dropped.clear()
+            self.hang_pending = False
             self.asleep = False
             self.driver.open(config)
             stats.engines += 1
@@ -606,9 +610,9 @@ def make_engine_machine(
         @precondition(lambda self: self.driver.is_open)
         @rule(
             target=requests,
-            # Now and then a long one (80 steps): it outlives a short deadline, and aborts
-            # and drops land inside its forward.
-            steps=st.sampled_from([1, 2, 3, 4] * 3 + [_LONG_STEPS]),
+            # Now and then a long one (120 steps): it outlives a deadline, and aborts and
+            # drops land inside its forward.
+            steps=st.sampled_from([1, 2, 3, 4] * 3 + [_LONG_STEPS] * 2),
             seed=st.one_of(st.sampled_from(EDGE_SEEDS), st.integers(0, MAX_SEED)),
             fault=st.one_of(st.none(), st.none(), fault_strategy),
             fault_step=st.integers(0, 3),
@@ -666,6 +670,8 @@ def make_engine_machine(
                 return "none"
             if spec is not None:
                 stats.faults_injected += 1
+                if spec.kind is Fault.HANG_AT_STEP:
+                    self.hang_pending = True
                 if spec.kind in FAILING_FAULTS:
                     self.fault_marks.append(mark)
             self.submitted[rid] = _Submitted(
@@ -851,6 +857,18 @@ def make_engine_machine(
                 self.dropped.add(rid)
             stats.rules += 1
 
+        @precondition(lambda self: self.driver.is_open and self.hang_pending)
+        @rule()
+        def outwait_a_hang(self) -> None:
+            """After a hang was injected: nothing happens for the liveness bound, so the
+            stall deadline must end the hung forward by itself (and the oracles see it if
+            nothing does) before a crash or a close would clear it."""
+            self.hang_pending = False
+            if self.found:
+                return
+            self.driver.sleep(bound_s + _LIVENESS_POLL_S)
+            stats.rules += 1
+
         @precondition(lambda self: self.driver.is_open)
         @rule(seconds=st.sampled_from([0.0, 0.005, 0.02, 0.1]))
         def let_time_pass(self, seconds: float) -> None:
@@ -901,7 +919,12 @@ def make_engine_machine(
             self.asleep = True
             if self.found:
                 return
-            fell = self.driver.sleep_engine(level)
+            try:
+                fell = self.driver.sleep_engine(level)
+            except trio.TooSlowError:  # not even a typed error in the driver's bound
+                message = f"sleep({level}) got no answer within the driver's call bound"
+                self._found([_engine_violation(message, "sleep")])
+                return
             note(f"sleep({level}) -> {'asleep' if fell else 'failed'}")
             stats.rules += 1
 

@@ -266,7 +266,7 @@ def test_each_oracle_finds_its_class_of_planted_bug(
         **dict(planted.options),
     )
     budget = settings(
-        max_examples=60,
+        max_examples=200,
         stateful_step_count=20,
         deadline=None,
         database=None,
