@@ -169,6 +169,12 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
     ("docs/fuzzing.md", "omni-trio fuzz --duration 600"): NotRun(
         "campaigns of 10 to 60 minutes; tests/test_fuzz.py runs short ones of each kind"
     ),
+    ("docs/benchmarks.md", "omni-trio bench fuzz-power --json fuzz-power.json"): NotRun(
+        "half an hour (a campaign per mutant); tests/bench/test_fuzz_power.py runs a short one"
+    ),
+    ("docs/benchmarks.md", "omni-trio bench fuzz-power --mutant heartbeat"): NotRun(
+        "minutes (a campaign per mutant); tests/bench/test_fuzz_power.py runs a short one"
+    ),
     ("docs/fuzzing.md", "omni-trio fuzz --mutant fused-survivors-by-position"): NotRun(
         "a minute per campaign; tests/bench/test_fuzz_power.py scores a shipped and a "
         "researcher's mutant with a short budget, and --list"

@@ -253,6 +253,7 @@ def test_each_oracle_finds_its_class_of_planted_bug(
     from that oracle (found, not shrunk: bounded; only the faults the bug needs, no crash or
     close rule, so a fixed seed reaches it in a few examples)."""
     from hypothesis import Phase
+    from hypothesis.errors import FlakyFailure
 
     from omni_trio.testing.invariants import InvariantViolation
     from omni_trio.testing.mutants import applied, find_mutant
@@ -275,8 +276,14 @@ def test_each_oracle_finds_its_class_of_planted_bug(
         suppress_health_check=list(HealthCheck),
     )
     stats = CampaignStats()
-    with applied(planted), pytest.raises(InvariantViolation) as caught:
+    # Hypothesis replays a failing example once; when the engine's timing does not fail it
+    # again, the violation comes wrapped in a FlakyFailure: found all the same.
+    with applied(planted), pytest.raises((InvariantViolation, FlakyFailure)) as caught:
         run_engine_machine(options, budget, stats=stats)
-    assert oracle in str(caught.value), str(caught.value)[:2000]
-    assert planted.invariant in str(caught.value)
+    found = [caught.value]
+    if isinstance(caught.value, FlakyFailure):
+        found = list(caught.value.exceptions)
+    text = "\n".join(str(e) for e in found if isinstance(e, InvariantViolation))
+    assert oracle in text, str(caught.value)[:2000]
+    assert planted.invariant in text
     assert stats.first_failure_s is not None and stats.first_failure_s <= stats.elapsed_s
