@@ -39,7 +39,7 @@ from .._core.messages import DiffusionOutput
 from .._core.request import DiffusionRequest, SamplingParams
 from .._core.trace import TraceKind, TraceRecorder
 from ..config import EngineConfig
-from ..errors import OmniTrioError, WorkerError
+from ..errors import OmniTrioError, StallError, WorkerError
 from ..ipc import segments_of_this_process
 from ..runtime.engine import AsyncEngine, open_engine
 
@@ -330,7 +330,10 @@ class EngineDriver:
     def settle(self, *, timeout: float = 30.0) -> dict[str, set[str]] | None:
         """Wait until the engine is idle and its workers drained, then return everything
         held by the engine and its workers (the ``leftovers`` RPC) and our shared-memory
-        segments (``shm_segments``); None if it did not settle within ``timeout`` (INV-6)."""
+        segments (``shm_segments``); None if it did not settle within ``timeout`` (INV-6).
+        Raises :class:`StallError` when the ``leftovers`` RPC got no answer within the
+        engine's ``rpc_timeout_s`` (fine only if the group failed meanwhile: the caller
+        decides); other typed errors of that RPC mean the group failed under it."""
         engine = self._engine()
 
         async def wait() -> dict[str, set[str]] | None:
@@ -340,6 +343,8 @@ class EngineDriver:
                 if engine.core.accepting:
                     try:
                         workers = await engine.worker_leftovers()
+                    except StallError:
+                        raise
                     except OmniTrioError:  # the group failed under it: its state is gone
                         workers = {}
                     for kind, ids in workers.items():

@@ -22,6 +22,7 @@ engine lives in a real trio loop in the calling thread) and returns campaign cou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import sys
@@ -29,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import hypothesis.strategies as st
 import trio
@@ -106,6 +107,33 @@ def _engine_violation(message: str, where: str = "wait_for_everything") -> Viola
     return Violation("INV-6", f"{message} ({where})", None, ())
 
 
+_Rule = TypeVar("_Rule", bound=Callable[..., Any])
+
+
+def _answered(on_timeout: Callable[..., Any] | None = None) -> Callable[[_Rule], _Rule]:
+    """Decorate a rule (or invariant) of the engine machine: when one of its driver calls
+    gets no answer within the driver's call bound (``trio.TooSlowError``: a hang where no
+    oracle could look, e.g. an RPC or an admission that never returns), the rule records
+    that as an INV-6 finding naming it and returns ``on_timeout(**its arguments)`` (None
+    without one: what a target rule must return so later draws stay the same) instead of
+    raising (rules never raise: see the machine's teardown)."""
+
+    def decorate(fn: _Rule) -> _Rule:
+        @functools.wraps(fn)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except trio.TooSlowError:
+                bound = self.driver.call_timeout_s
+                message = f"a driver call got no answer within its {bound:.1f} s bound"
+                self._found([_engine_violation(message, fn.__name__)])
+                return None if on_timeout is None else on_timeout(**kwargs)
+
+        return cast(_Rule, run)
+
+    return decorate
+
+
 def _is_failure(exc: BaseException | None) -> bool:
     """Whether an exception ending an example is a finding (not Hypothesis' own control)."""
     if exc is None or not isinstance(exc, Exception):
@@ -164,8 +192,10 @@ class MachineOptions:
     cache_dir: str | None = None
     # tractor: how worker processes start ("trio" or "forkserver", see EngineConfig).
     worker_start_method: str = "trio"
-    # Every consumer must be done this long after its engine closed (INV-6).
-    settle_timeout_s: float = 60.0
+    # wait_for_everything: every consumer done and the engine idle, its workers' leftovers
+    # reported, within this (INV-6); None: derived from the liveness bounds (a restart and
+    # an RPC), see make_engine_machine.
+    settle_timeout_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -479,6 +509,21 @@ def make_engine_machine(
     # A ping RPC on a healthy engine answers within this (a hang or a crash under it ends
     # it sooner, with an error, through the stall deadline and the restart).
     rpc_bound_s = bound_s + restart_bound_s
+    # wait_for_everything: once every consumer is done, the engine is idle and its workers
+    # answered the leftovers RPC within this (a restart may be under way).
+    settle_bound_s = options.settle_timeout_s or rpc_bound_s + restart_bound_s
+    # No driver call on a live engine takes longer (the longest: a sleep that waits for its
+    # drain, gets no answer, and wakes the ranks again); one that does is a hang the oracles
+    # could not see into, reported as such (see _answered) within seconds, not minutes.
+    call_bound_s = max(
+        config.sleep_drain_timeout_s + 2 * rpc_bound_s + bound_s,
+        settle_bound_s + bound_s,
+        2 * close_bound_s,
+    )
+
+    def _wave_total(size: int, rising: bool) -> int:
+        """How many requests submit_wave submits (and returns) for ``size``, ``rising``."""
+        return max(size, options.max_num_seqs + 1) if rising else size
 
     class EngineMachine(RuleBasedStateMachine):
         requests = Bundle("requests")
@@ -500,6 +545,7 @@ def make_engine_machine(
             # and shrink it (a failure seen one rule earlier in a replay would read to it as
             # a test whose data generation changed).
             self.found: list[Violation] = []
+            self.driver.call_timeout_s = call_bound_s
             self._open_engine()
             stats.examples += 1
 
@@ -627,6 +673,7 @@ def make_engine_machine(
             outputs=st.sampled_from([1, 1, 1, 2]),
             deadline=st.sampled_from([None, None, None, 0.02, 0.3]),
         )
+        @_answered(lambda **_: "none")
         def submit(
             self,
             steps: int,
@@ -640,6 +687,8 @@ def make_engine_machine(
             outputs: int,
             deadline: float | None,
         ) -> str:
+            if fault is Fault.HANG_AT_STEP:  # whatever comes of it (rules must not depend
+                self.hang_pending = True  # on the engine's timing: Hypothesis replays them)
             if self.found:
                 return "none"
             params = SamplingParams(
@@ -670,8 +719,6 @@ def make_engine_machine(
                 return "none"
             if spec is not None:
                 stats.faults_injected += 1
-                if spec.kind is Fault.HANG_AT_STEP:
-                    self.hang_pending = True
                 if spec.kind in FAILING_FAULTS:
                     self.fault_marks.append(mark)
             self.submitted[rid] = _Submitted(
@@ -720,6 +767,7 @@ def make_engine_machine(
             rising=st.booleans() if prioritised else st.just(False),
             mixed=st.booleans() if options.pictures else st.just(False),
         )
+        @_answered(lambda size, rising, **_: multiple(*["none"] * _wave_total(size, rising)))
         def submit_wave(
             self,
             size: int,
@@ -743,7 +791,7 @@ def make_engine_machine(
             outranks the one before, so with a full batch later ones preempt earlier ones
             in step mode.  ``mixed`` (pictures): the second member starts from a picture of
             the same size and step count (it must not share their forward)."""
-            total = max(size, options.max_num_seqs + 1) if rising else size
+            total = _wave_total(size, rising)
             if self.found:
                 return multiple(*["none"] * total)
             driver = self.driver
@@ -842,6 +890,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
+        @_answered()
         def abort(self, rid: str) -> None:
             if self.found:
                 return
@@ -850,6 +899,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
+        @_answered()
         def drop_consumer(self, rid: str) -> None:
             if self.found:
                 return
@@ -859,6 +909,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open and self.hang_pending)
         @rule()
+        @_answered()
         def outwait_a_hang(self) -> None:
             """After a hang was injected: nothing happens for the liveness bound, so the
             stall deadline must end the hung forward by itself (and the oracles see it if
@@ -871,6 +922,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open)
         @rule(seconds=st.sampled_from([0.0, 0.005, 0.02, 0.1]))
+        @_answered()
         def let_time_pass(self, seconds: float) -> None:
             if self.found:
                 return
@@ -879,6 +931,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open and options.crash_rule)
         @rule()
+        @_answered()
         def crash_worker(self) -> None:
             if self.found:
                 return
@@ -890,6 +943,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open)
         @rule()
+        @_answered()
         def rpc(self) -> None:
             if self.found:
                 return
@@ -909,6 +963,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open and not self.asleep)
         @rule(level=st.sampled_from([1, 2]))
+        @_answered()
         def sleep(self, level: int) -> None:
             """Put the workers to sleep (weights released) between waves: requests
             submitted meanwhile wait; the ones running finish first (or the sleep fails,
@@ -919,17 +974,13 @@ def make_engine_machine(
             self.asleep = True
             if self.found:
                 return
-            try:
-                fell = self.driver.sleep_engine(level)
-            except trio.TooSlowError:  # not even a typed error in the driver's bound
-                message = f"sleep({level}) got no answer within the driver's call bound"
-                self._found([_engine_violation(message, "sleep")])
-                return
+            fell = self.driver.sleep_engine(level)  # (no answer at all: see _answered)
             note(f"sleep({level}) -> {'asleep' if fell else 'failed'}")
             stats.rules += 1
 
         @precondition(lambda self: self.driver.is_open and self.asleep)
         @rule()
+        @_answered()
         def wake_up(self) -> None:
             """Give the weights back: every waiting request runs, with its own image."""
             self.asleep = False
@@ -958,6 +1009,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open)
         @rule()
+        @_answered()
         def wait_for_everything(self) -> None:
             """Every consumer is done, the engine settles, and then nothing anywhere (core,
             streams, pump, runner and step state, stop flags, packer) holds a request."""
@@ -966,14 +1018,20 @@ def make_engine_machine(
             driver = self.driver
             if self.asleep:  # nothing waiting would ever finish
                 self.wake_up()
-            give_up = time.monotonic() + options.settle_timeout_s
+            give_up = time.monotonic() + settle_bound_s
             while not driver.wait_finished(timeout=_LIVENESS_POLL_S):
                 if self._check_liveness():  # a request stuck in some phase: found, named
                     return
                 if time.monotonic() > give_up:
                     self._found([_engine_violation("requests did not finish in time")])
                     return
-            held = driver.settle(timeout=options.settle_timeout_s)
+            mark = len(driver.trace)
+            try:
+                held = driver.settle(timeout=settle_bound_s)
+            except StallError as exc:  # the leftovers RPC: no answer, and no failure excuses it
+                if not self._group_failed_since(mark):
+                    self._found([_engine_violation(f"the leftovers RPC got no answer: {exc}")])
+                return
             if held is None:
                 self._found([_engine_violation("the engine did not settle in time")])
                 return
@@ -985,6 +1043,7 @@ def make_engine_machine(
 
         @precondition(lambda self: self.driver.is_open and options.close_rule)
         @rule()
+        @_answered()
         def close_and_reopen(self) -> None:
             if self.found:
                 return
@@ -993,6 +1052,7 @@ def make_engine_machine(
             stats.rules += 1
 
         @invariant()
+        @_answered()
         def no_violation_so_far(self) -> None:
             """The trace so far, and what every component holds now, break no invariant."""
             driver = self.driver
@@ -1117,7 +1177,12 @@ def make_engine_machine(
             if _is_failure(failing):
                 stats.failed()  # a rule raised (a driver call that timed out, an assert)
             if self.driver.is_open:
-                self._close_engine_and_check()
+                try:
+                    self._close_engine_and_check()
+                except trio.TooSlowError:  # the close itself hung (the driver let go of it)
+                    bound = self.driver.call_timeout_s
+                    message = f"close got no answer within its {bound:.1f} s bound"
+                    self._found([_engine_violation(message, "teardown")])
             if self.found and not _is_failure(failing):
                 _violated(self.found)
             if self.found:  # a rule's own failure is the finding; add what the oracles saw

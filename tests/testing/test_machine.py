@@ -244,6 +244,7 @@ def test_liveness_bounds_come_from_the_fault_plan() -> None:
         ("consumer-drop-leaks-stream", "engine_streams", ()),  # leftovers
         ("heartbeat-resets-stall-clock", "without progress", (Fault.HANG_AT_STEP,)),  # liveness
         ("deadline-never-fires", "deadline_s=", ()),  # deadlines
+        ("idle-loop-ignores-rpc", "RPC got no answer", ()),  # RPC answers
     ],
 )
 def test_each_oracle_finds_its_class_of_planted_bug(
@@ -287,3 +288,42 @@ def test_each_oracle_finds_its_class_of_planted_bug(
     assert oracle in text, str(caught.value)[:2000]
     assert planted.invariant in text
     assert stats.first_failure_s is not None and stats.first_failure_s <= stats.elapsed_s
+
+
+class _FakeDriver:
+    call_timeout_s = 2.5
+
+
+class _FakeMachine:
+    """Just what ``_answered`` touches: the driver's call bound and ``_found``."""
+
+    def __init__(self) -> None:
+        self.driver = _FakeDriver()
+        self.found: list[Any] = []
+
+    def _found(self, violations: list[Any]) -> bool:
+        self.found.extend(violations)
+        return bool(violations)
+
+
+def test_a_driver_call_with_no_answer_is_a_finding_naming_the_rule() -> None:
+    """A rule whose driver call times out records an INV-6 finding naming the rule and its
+    bound, returns what keeps later draws the same, and does not raise."""
+    import trio
+
+    from omni_trio.testing.machine import _answered
+
+    @_answered(lambda size, **_: ["none"] * size)
+    def submit_some(self: _FakeMachine, size: int) -> list[str]:
+        raise trio.TooSlowError
+
+    @_answered()
+    def ping(self: _FakeMachine) -> str:
+        return "pong"
+
+    machine = _FakeMachine()
+    assert ping(machine) == "pong" and not machine.found
+    assert submit_some(machine, size=3) == ["none"] * 3
+    (finding,) = machine.found
+    assert finding.invariant == "INV-6"
+    assert "submit_some" in finding.message and "2.5 s" in finding.message
