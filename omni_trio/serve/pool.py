@@ -52,7 +52,7 @@ import logging
 import math
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -62,10 +62,11 @@ import trio
 from trio_typing import TaskStatus
 
 from .._core.health import EngineState
+from .._core.keys import request_batch_key, step_batch_key
 from .._core.lifecycle import RequestStatus
 from .._core.messages import DiffusionOutput
 from .._core.model_info import ModelInfo
-from .._core.request import SamplingParams
+from .._core.request import DiffusionRequest, SamplingParams
 from .._core.trace import TraceRecorder
 from ..config import EngineConfig
 from ..errors import (
@@ -156,6 +157,32 @@ class ServiceRate:
         return (len(times) - 1) / span if span > 0 else None
 
 
+class ArrivalLog:
+    """The requests admitted recently (time, priority, compatibility class), over the last
+    ``window`` admissions of the last ``window_s`` seconds: how often requests arrive that
+    a given policy would run before an earlier one.  Pure: the caller passes the time."""
+
+    def __init__(self, window: int = 4 * RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
+        self._arrivals: deque[tuple[float, int, Hashable]] = deque(maxlen=window)
+        self._window_s = window_s
+
+    def record(self, now: float, priority: int, klass: Hashable) -> None:
+        """A request of ``priority`` and class ``klass`` was admitted at ``now``."""
+        self._arrivals.append((now, priority, klass))
+
+    def rate(self, now: float, counts: Callable[[int, Hashable], bool]) -> float:
+        """Admissions per second for which ``counts(priority, klass)`` holds (0.0 with
+        fewer than two in the window).  The time since the last one counts, so a burst
+        that ended decays."""
+        arrivals = self._arrivals
+        while arrivals and now - arrivals[0][0] > self._window_s:
+            arrivals.popleft()
+        span = now - arrivals[0][0] if arrivals else 0.0
+        if len(arrivals) < 2 or span <= 0:
+            return 0.0
+        return sum(1 for _, priority, klass in arrivals if counts(priority, klass)) / span
+
+
 class OpenTime:
     """How long opening a replica takes (its engine's workers started, the model loaded and
     warmed up), measured over the last ``window`` opens.  Pure: the caller passes the times."""
@@ -244,9 +271,12 @@ class PooledStream:
         owner: str = "",
         move: Callable[[PooledStream], RequestStream | None] | None = None,
         priority: int = 0,
+        klass: Hashable = None,
     ) -> None:
         self._inner = inner
-        self.priority = priority  # its SamplingParams.priority (the pool's wait estimate)
+        # Its SamplingParams.priority and compatibility class (the pool's wait estimate).
+        self.priority = priority
+        self.klass = klass
         self._move = move
         self._started = False  # a chunk reached the consumer: it can no longer move
         self.moves = 0  # times it moved to another replica after its own died
@@ -491,6 +521,7 @@ class EnginePool:
         self.max_queue_len = max_queue_len
         self.max_queue_wait_s = max_queue_wait_s
         self._service = ServiceRate()
+        self._arrivals = ArrivalLog()
         self._open_time = OpenTime()
         self.restart_policy = restart_policy or RestartPolicy()
         self._trace_factory = trace_factory
@@ -743,7 +774,8 @@ class EnginePool:
             raise DrainingError("the server is draining and admits no new requests")
         if len(self._active) >= self.max_queue_len:
             raise QueueFullError(len(self._active), self.max_queue_len)
-        self._check_queue_wait(params)
+        klass = self._class_of(prompt, params)
+        self._check_queue_wait(params, klass)
         public = request_id if request_id is not None else new_request_id()
         rid = engine_request_id(public, owner)
         if rid in self._active:
@@ -763,8 +795,10 @@ class EnginePool:
             owner=owner,
             move=partial(self._move_elsewhere, prompt, params.replace(seed=inner.seed)),
             priority=params.priority,
+            klass=klass,
         )
         self._active[rid] = stream
+        self._arrivals.record(trio.current_time(), params.priority, klass)
         wait = self.restart_wait_s
         if (
             restarting
@@ -851,26 +885,67 @@ class EnginePool:
             return DEFAULT_RETRY_AFTER_S
         return clamp_retry_after(expected * self.replicas)
 
-    def _check_queue_wait(self, params: SamplingParams) -> None:
+    def _check_queue_wait(self, params: SamplingParams, klass: Hashable = None) -> None:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
-        whose estimated finish (that wait plus one service time) exceeds its own deadline
-        (:class:`QueueWaitError`); nothing is checked before a rate is measured.  The wait
-        is the requests it would wait for (:meth:`_ahead_of`: under ``priority``, not the
-        waiting ones it passes) at the measured service rate."""
+        whose estimated finish (that wait plus its own run) exceeds its own deadline
+        (:class:`QueueWaitError`); nothing is checked before a rate is measured.  See
+        :meth:`_estimated_finish_s`."""
         if params.deadline_s is None and self.max_queue_wait_s is None:
             return
         rate = self.service_rate()
         if rate is None:
             return
-        wait = self._ahead_of(params) / rate
+        finish = self._estimated_finish_s(params, klass, rate)
+        wait = max(0.0, finish - 1 / rate)
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
-        # Its deadline covers its own run too: one more service time at the same rate.
-        finish = wait + 1 / rate
         if params.deadline_s is not None and finish > params.deadline_s:
             raise QueueWaitError(
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
+
+    def _estimated_finish_s(self, params: SamplingParams, klass: Hashable, rate: float) -> float:
+        """When a request admitted now would end, at the measured service ``rate``.
+
+        ``fifo``: after every request in flight, then its own run: ``(n + 1) / rate``.
+        ``priority``: after those it does not pass (:meth:`_ahead_of`), while requests of
+        a better priority keep arriving and run first: they take their measured arrival
+        rate out of the service rate, ``(ahead + 1) / (rate - better)`` (the waiting time
+        of a low class under a high one).  ``fair``: after its own class's requests in
+        flight and, from every other class, as many as that (the classes take turns);
+        later arrivals of other classes take turns too (``rate - others``), but its class
+        gets at least its share: never more than ``classes x (own + 1) / rate``.  Infinite
+        when the better (or other) arrivals alone use up the service rate."""
+        policy = self.engine_config.scheduling_policy
+        if policy == "fair":
+            own = sum(1 for s in self._active.values() if s.klass == klass)
+            others: dict[Hashable, int] = {}
+            for stream in self._active.values():
+                if stream.klass != klass:
+                    others[stream.klass] = others.get(stream.klass, 0) + 1
+            ahead = own + sum(min(count, own + 1) for count in others.values())
+            passing = self._arrivals.rate(trio.current_time(), lambda _, c: c != klass)
+            share_bound = (len(others) + 1) * (own + 1) / rate
+            free = rate - passing
+            return min((ahead + 1) / free if free > 0 else math.inf, share_bound)
+        ahead = self._ahead_of(params)
+        passing = 0.0
+        if policy == "priority":
+            own_priority = params.priority
+            passing = self._arrivals.rate(trio.current_time(), lambda p, _: p < own_priority)
+        free = rate - passing
+        return (ahead + 1) / free if free > 0 else math.inf
+
+    def _class_of(self, prompt: str, params: SamplingParams) -> Hashable:
+        """The compatibility class the ``fair`` policy balances (the engine's batch key for
+        its mode; as given, before the model fills in default sizes); None otherwise."""
+        if self.engine_config.scheduling_policy != "fair":
+            return None
+        key = step_batch_key if self.engine_config.step_execution else request_batch_key
+        try:
+            return key(DiffusionRequest(prompt, params, "estimate"))
+        except Exception:  # the engine's validation reports a bad request, not this
+            return None
 
     def _ahead_of(self, params: SamplingParams) -> int:
         """The requests in flight that a request with ``params`` admitted now would wait

@@ -28,6 +28,7 @@ from omni_trio.errors import (
 )
 from omni_trio.models.echo import decode_echo_image
 from omni_trio.serve.pool import (
+    ArrivalLog,
     DrainingError,
     EnginePool,
     NotReadyError,
@@ -446,6 +447,81 @@ async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
                 pool.abort(submission.request_id)
             for submission in (running, high, *waiting):
                 await final_of(submission)
+
+
+def test_the_arrival_log_measures_who_arrives_per_second() -> None:
+    log = ArrivalLog(window=4, window_s=10.0)
+    better_than_5 = lambda priority, _klass: priority < 5  # noqa: E731
+    assert log.rate(0.0, better_than_5) == 0.0
+    log.record(1.0, 0, "a")
+    assert log.rate(1.0, better_than_5) == 0.0  # one arrival measures nothing
+    log.record(1.5, 5, "b")
+    log.record(2.0, 0, "a")
+    assert log.rate(2.0, better_than_5) == pytest.approx(2 / 1.0)
+    assert log.rate(2.0, lambda _p, klass: klass == "b") == pytest.approx(1 / 1.0)
+    assert log.rate(3.0, better_than_5) == pytest.approx(2 / 2.0)  # a lull decays it
+    for t in (3.0, 4.0, 5.0):
+        log.record(t, 5, "b")
+    assert log.rate(5.0, better_than_5) == pytest.approx(1 / 3.0)  # only the last 4 count
+    assert log.rate(20.0, better_than_5) == 0.0  # all older than the window
+
+
+async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() -> None:
+    """A low-priority request is passed by the better ones that keep arriving: when they
+    alone arrive faster than the pool serves, a low request with a deadline is refused
+    (503) even with nothing in flight; a request of the best priority with the same
+    deadline, which nothing passes, is admitted."""
+    config = echo_config(scheduling_policy="priority")
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(config, max_queue_len=16)) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            rate = pool.service_rate()
+            assert rate is not None
+            burst = [
+                pool.submit("p", LONG.replace(priority=-5), request_id=f"h{i}") for i in range(8)
+            ]
+            for submission in burst:  # gone again: only their arrivals are remembered
+                pool.abort(submission.request_id)
+                await final_of(submission)
+            deadline = 3 / pool.service_rate()  # type: ignore[operator]
+            with pytest.raises(QueueWaitError, match="timeout"):
+                pool.submit("p", SHORT.replace(priority=5, deadline_s=deadline), request_id="low")
+            high = pool.submit(
+                "p", SHORT.replace(priority=-5, deadline_s=deadline), request_id="high"
+            )
+            assert (await final_of(high)).finished
+
+
+async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
+    """``fair``: a request of a class with nothing in flight waits for one request of each
+    other class (they take turns), not for all of them: with two 64-px requests in flight,
+    a 32-px request whose deadline covers two service times is admitted under fair and
+    refused under fifo."""
+    small = SamplingParams(height=32, width=32, num_inference_steps=2)
+    for policy, admitted in (("fair", True), ("fifo", False)):
+        with trio.fail_after(CAP_S):
+            async with serving(
+                EnginePool(echo_config(scheduling_policy=policy), max_queue_len=16)
+            ) as pool:
+                for index in range(3):
+                    await final_of(pool.submit(f"p{index}", SHORT))
+                rate = pool.service_rate()
+                assert rate is not None
+                big = [pool.submit("p", LONG, request_id=f"big{i}") for i in range(2)]
+                deadline = 2.5 / pool.service_rate()  # type: ignore[operator]
+                try:
+                    ours = pool.submit("p", small.replace(deadline_s=deadline), request_id="s")
+                except QueueWaitError:
+                    refused = True
+                else:
+                    refused = False
+                    pool.abort(ours.request_id)
+                    await final_of(ours)
+                assert refused is not admitted, policy
+                for submission in big:
+                    pool.abort(submission.request_id)
+                    await final_of(submission)
 
 
 def test_the_open_time_is_the_median_of_the_last_opens() -> None:
