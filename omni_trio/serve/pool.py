@@ -48,6 +48,7 @@ with :class:`~omni_trio.errors.InvalidConfigError`).  A stage replica records no
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import secrets
@@ -108,6 +109,9 @@ RATE_WINDOW_S = 60.0
 # Retry-After (seconds) without a measured rate, and its bounds with one.
 DEFAULT_RETRY_AFTER_S = 2
 MAX_RETRY_AFTER_S = 60
+# The most of the service rate the wait estimate lets later arrivals that pass a waiting
+# request take (priority: better ones; fair: other classes), so it stays finite.
+MAX_PASSING_SHARE = 0.9
 # The time to open a replica is the median of this many last opens.
 OPEN_WINDOW = 8
 # The longest a request admitted during a worker restart waits for its replica to be ready.
@@ -172,15 +176,17 @@ class ArrivalLog:
 
     def rate(self, now: float, counts: Callable[[int, Hashable], bool]) -> float:
         """Admissions per second for which ``counts(priority, klass)`` holds (0.0 with
-        fewer than two in the window).  The time since the last one counts, so a burst
-        that ended decays."""
+        fewer than two in the window), measured as :class:`ServiceRate` measures
+        completions: the ones after the first in the window over the time since it.  The
+        time since the last one counts, so a burst that ended decays."""
         arrivals = self._arrivals
         while arrivals and now - arrivals[0][0] > self._window_s:
             arrivals.popleft()
         span = now - arrivals[0][0] if arrivals else 0.0
         if len(arrivals) < 2 or span <= 0:
             return 0.0
-        return sum(1 for _, priority, klass in arrivals if counts(priority, klass)) / span
+        later = itertools.islice(arrivals, 1, None)
+        return sum(1 for _, priority, klass in later if counts(priority, klass)) / span
 
 
 class OpenTime:
@@ -889,34 +895,42 @@ class EnginePool:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
         whose estimated finish (that wait plus its own run) exceeds its own deadline
         (:class:`QueueWaitError`); nothing is checked before a rate is measured.  See
-        :meth:`_estimated_finish_s`."""
+        :meth:`_estimated_wait_s`."""
         if params.deadline_s is None and self.max_queue_wait_s is None:
             return
         rate = self.service_rate()
         if rate is None:
             return
-        finish = self._estimated_finish_s(params, klass, rate)
-        wait = max(0.0, finish - 1 / rate)
+        wait, run = self._estimated_wait_s(params, klass, rate)
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
+        # Its deadline covers its own run too.
+        finish = wait + run
         if params.deadline_s is not None and finish > params.deadline_s:
             raise QueueWaitError(
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
 
-    def _estimated_finish_s(self, params: SamplingParams, klass: Hashable, rate: float) -> float:
-        """When a request admitted now would end, at the measured service ``rate``.
+    def _estimated_wait_s(
+        self, params: SamplingParams, klass: Hashable, rate: float
+    ) -> tuple[float, float]:
+        """``(wait, run)``: how long a request admitted now would wait, and then run, at
+        the measured service ``rate``.
 
-        ``fifo``: after every request in flight, then its own run: ``(n + 1) / rate``.
-        ``priority``: after those it does not pass (:meth:`_ahead_of`), while requests of
-        a better priority keep arriving and run first: they take their measured arrival
-        rate out of the service rate, ``(ahead + 1) / (rate - better)`` (the waiting time
-        of a low class under a high one).  ``fair``: after its own class's requests in
-        flight and, from every other class, as many as that (the classes take turns);
-        later arrivals of other classes take turns too (``rate - others``), but its class
-        gets at least its share: never more than ``classes x (own + 1) / rate``.  Infinite
-        when the better (or other) arrivals alone use up the service rate."""
+        ``fifo``: it waits for every request in flight and runs one service time:
+        ``(n / rate, 1 / rate)``.  ``priority``: it waits for those it does not pass
+        (:meth:`_ahead_of`), and while some wait, requests of a better priority keep
+        arriving and run first (in step mode they preempt it too): their measured share
+        ``rho`` of the service rate is not its (``rate x (1 - rho)``, ``rho`` at most
+        :data:`MAX_PASSING_SHARE`; the waiting time of a low class under a high one).
+        ``fair``: it waits for its own class's requests in flight and, from every other
+        class, as many as that plus one (the classes take turns); while some wait, later
+        arrivals of other classes take turns too, but its class gets at least its share:
+        never more than ``classes x (own + 1) / rate`` in all.  The rate is a measured
+        throughput, not a capacity: on a pool that keeps up, nothing waits and no share is
+        taken out."""
         policy = self.engine_config.scheduling_policy
+        now = trio.current_time()
         if policy == "fair":
             own = sum(1 for s in self._active.values() if s.klass == klass)
             others: dict[Hashable, int] = {}
@@ -924,17 +938,35 @@ class EnginePool:
                 if stream.klass != klass:
                     others[stream.klass] = others.get(stream.klass, 0) + 1
             ahead = own + sum(min(count, own + 1) for count in others.values())
-            passing = self._arrivals.rate(trio.current_time(), lambda _, c: c != klass)
+            rho = 0.0
+            if self._any_waiting():
+                rho = self._arrivals.rate(now, lambda _, c: c != klass) / rate
+            free = rate * (1 - min(rho, MAX_PASSING_SHARE))
+            wait, run = ahead / free, 1 / free
             share_bound = (len(others) + 1) * (own + 1) / rate
-            free = rate - passing
-            return min((ahead + 1) / free if free > 0 else math.inf, share_bound)
-        ahead = self._ahead_of(params)
-        passing = 0.0
+            if wait + run > share_bound:
+                return share_bound - 1 / rate, 1 / rate
+            return wait, run
         if policy == "priority":
-            own_priority = params.priority
-            passing = self._arrivals.rate(trio.current_time(), lambda p, _: p < own_priority)
-        free = rate - passing
-        return (ahead + 1) / free if free > 0 else math.inf
+            ahead, waiting = self._ahead_of(params)
+            rho = 0.0
+            if waiting:
+                own_priority = params.priority
+                rho = self._arrivals.rate(now, lambda p, _: p < own_priority) / rate
+            free = rate * (1 - min(rho, MAX_PASSING_SHARE))
+            return ahead / free, 1 / free
+        return len(self._active) / rate, 1 / rate
+
+    def _any_waiting(self) -> bool:
+        """Whether some request in flight still waits in its engine's queue (O(n))."""
+        for stream in self._active.values():
+            engine = self._replicas[stream.replica].engine
+            if engine is not None and engine.status(stream.engine_request_id) in (
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+            ):
+                return True
+        return False
 
     def _class_of(self, prompt: str, params: SamplingParams) -> Hashable:
         """The compatibility class the ``fair`` policy balances (the engine's batch key for
@@ -947,25 +979,20 @@ class EnginePool:
         except Exception:  # the engine's validation reports a bad request, not this
             return None
 
-    def _ahead_of(self, params: SamplingParams) -> int:
-        """The requests in flight that a request with ``params`` admitted now would wait
-        for: all of them, except under ``scheduling_policy="priority"``, where a waiting
-        request of a worse (higher) priority does not hold it up: only the requests of a
-        better or equal priority, and those already running."""
-        if self.engine_config.scheduling_policy != "priority":
-            return len(self._active)
-        ahead = 0
+    def _ahead_of(self, params: SamplingParams) -> tuple[int, bool]:
+        """Under ``scheduling_policy="priority"``: the requests in flight that a request
+        with ``params`` admitted now would wait for (not a waiting one of a worse, higher
+        priority: it passes those; the ones of a better or equal priority, and those
+        already running), and whether any request in flight is waiting (O(n))."""
+        ahead, waiting = 0, False
         for stream in self._active.values():
-            if stream.priority <= params.priority:
-                ahead += 1
-                continue
             engine = self._replicas[stream.replica].engine
-            if (
-                engine is not None
-                and engine.status(stream.engine_request_id) is not RequestStatus.WAITING
-            ):
-                ahead += 1  # running (or packing): it holds a slot until it ends
-        return ahead
+            status = None if engine is None else engine.status(stream.engine_request_id)
+            queued = status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            waiting = waiting or queued
+            if stream.priority <= params.priority or not queued:
+                ahead += 1  # better or equal, or running (or packing): it holds a slot
+        return ahead, waiting
 
     def _move_elsewhere(
         self, prompt: str, params: SamplingParams, stream: PooledStream

@@ -140,6 +140,7 @@ class EngineDriver:
         self._scopes: dict[str, trio.CancelScope] = {}
         self._close: trio.Event | None = None
         self._closed: trio.Event | None = None
+        self._serve_scope: trio.CancelScope | None = None
         self._ids = itertools.count(1)
         self._changed = trio.Event()
 
@@ -177,13 +178,16 @@ class EngineDriver:
         if self.engine is not None:
             raise RuntimeError("an engine is already open; close() it first")
 
+        scope = self._serve_scope = trio.CancelScope()
+
         async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             close, closed = trio.Event(), trio.Event()
             self._close, self._closed = close, closed
             try:
-                async with open_engine(config, trace=self.trace) as engine:
-                    task_status.started(engine)
-                    await close.wait()
+                with scope:
+                    async with open_engine(config, trace=self.trace) as engine:
+                        task_status.started(engine)
+                        await close.wait()
             finally:
                 closed.set()
 
@@ -220,9 +224,29 @@ class EngineDriver:
 
         try:
             stuck: list[str] = self.run(shut)
+        except trio.TooSlowError:
+            # The close itself hung: cancel the engine's task and every consumer, so that
+            # nothing of this engine outlives the call (the caller reports the hang).
+            self._cancel_engine(closed)
+            raise
         finally:
             self.engine = None
         return stuck
+
+    def _cancel_engine(self, closed: trio.Event) -> None:
+        """Cancel the engine's task and its consumers; wait (bounded) until it ended."""
+
+        async def cancel() -> None:
+            if self._serve_scope is not None:
+                self._serve_scope.cancel()
+            for scope in self._scopes.values():
+                scope.cancel()
+            # (At least a second: a bound of zero, which times every call out, must still
+            # leave the cancelled engine the moment it needs to end.)
+            with trio.move_on_after(max(1.0, self.call_timeout_s)):
+                await closed.wait()
+
+        trio.from_thread.run(cancel, trio_token=self._token)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -448,8 +472,9 @@ def run_driven(
                     if driver.engine is not None:
                         if driver._close is not None:
                             driver._close.set()
-                        if driver._closed is not None:
-                            await driver._closed.wait()
+                        if driver._closed is not None:  # bounded: the nursery's cancel
+                            with trio.move_on_after(driver.call_timeout_s):  # ends the rest
+                                await driver._closed.wait()
                         driver.engine = None
                 nursery.cancel_scope.cancel()
 

@@ -511,12 +511,16 @@ def make_engine_machine(
     rpc_bound_s = bound_s + restart_bound_s
     # wait_for_everything: once every consumer is done, the engine is idle and its workers
     # answered the leftovers RPC within this (a restart may be under way).
-    settle_bound_s = options.settle_timeout_s or rpc_bound_s + restart_bound_s
+    settle_bound_s = (
+        rpc_bound_s + restart_bound_s
+        if options.settle_timeout_s is None
+        else options.settle_timeout_s
+    )
     # No driver call on a live engine takes longer (the longest: a sleep that waits for its
     # drain, gets no answer, and wakes the ranks again); one that does is a hang the oracles
     # could not see into, reported as such (see _answered) within seconds, not minutes.
     call_bound_s = max(
-        config.sleep_drain_timeout_s + 2 * rpc_bound_s + bound_s,
+        config.sleep_drain_timeout_s + 2 * rpc_bound_s + restart_bound_s,
         settle_bound_s + bound_s,
         2 * close_bound_s,
     )
@@ -546,7 +550,11 @@ def make_engine_machine(
             # a test whose data generation changed).
             self.found: list[Violation] = []
             self.driver.call_timeout_s = call_bound_s
-            self._open_engine()
+            try:
+                self._open_engine()
+            except trio.TooSlowError:  # (as _answered does for the rules)
+                message = f"open got no answer within its {call_bound_s:.1f} s bound"
+                self._found([_engine_violation(message, "open")])
             stats.examples += 1
 
         def _found(self, violations: list[Violation]) -> bool:
@@ -653,7 +661,6 @@ def make_engine_machine(
 
         # -- rules -------------------------------------------------------------------------
 
-        @precondition(lambda self: self.driver.is_open)
         @rule(
             target=requests,
             # Now and then a long one (120 steps): it outlives a deadline, and aborts and
@@ -749,7 +756,7 @@ def make_engine_machine(
             ):
                 stats.add_hits({"early_output_ready": 1})
 
-        @precondition(lambda self: self.driver.is_open and not self.asleep)
+        @precondition(lambda self: not self.asleep)
         @rule(
             target=requests,
             size=st.integers(2, 4),
@@ -888,7 +895,6 @@ def make_engine_machine(
 
             driver.run(wait)
 
-        @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
         @_answered()
         def abort(self, rid: str) -> None:
@@ -897,7 +903,6 @@ def make_engine_machine(
             self.driver.abort(rid)
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open)
         @rule(rid=requests)
         @_answered()
         def drop_consumer(self, rid: str) -> None:
@@ -907,7 +912,7 @@ def make_engine_machine(
                 self.dropped.add(rid)
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open and self.hang_pending)
+        @precondition(lambda self: self.hang_pending)
         @rule()
         @_answered()
         def outwait_a_hang(self) -> None:
@@ -920,7 +925,6 @@ def make_engine_machine(
             self.driver.sleep(bound_s + _LIVENESS_POLL_S)
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open)
         @rule(seconds=st.sampled_from([0.0, 0.005, 0.02, 0.1]))
         @_answered()
         def let_time_pass(self, seconds: float) -> None:
@@ -929,7 +933,7 @@ def make_engine_machine(
             self.driver.sleep(seconds)
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open and options.crash_rule)
+        @precondition(lambda self: options.crash_rule)
         @rule()
         @_answered()
         def crash_worker(self) -> None:
@@ -941,7 +945,6 @@ def make_engine_machine(
             stats.faults_injected += 1
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open)
         @rule()
         @_answered()
         def rpc(self) -> None:
@@ -961,7 +964,7 @@ def make_engine_machine(
                 assert isinstance(reply, dict), reply
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open and not self.asleep)
+        @precondition(lambda self: not self.asleep)
         @rule(level=st.sampled_from([1, 2]))
         @_answered()
         def sleep(self, level: int) -> None:
@@ -978,7 +981,7 @@ def make_engine_machine(
             note(f"sleep({level}) -> {'asleep' if fell else 'failed'}")
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open and self.asleep)
+        @precondition(lambda self: self.asleep)
         @rule()
         @_answered()
         def wake_up(self) -> None:
@@ -1007,18 +1010,18 @@ def make_engine_machine(
             return bool(crashes) and (not restarts or restarts[-1] < crashes[-1])
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open)
         @rule()
         @_answered()
         def wait_for_everything(self) -> None:
             """Every consumer is done, the engine settles, and then nothing anywhere (core,
             streams, pump, runner and step state, stop flags, packer) holds a request."""
+            if self.asleep:  # nothing waiting would ever finish (wake_up clears it first)
+                self.wake_up()
             if self.found:
                 return
             driver = self.driver
-            if self.asleep:  # nothing waiting would ever finish
-                self.wake_up()
-            give_up = time.monotonic() + settle_bound_s
+            # (Past the liveness oracle's own bounds: it names a request stuck before this.)
+            give_up = time.monotonic() + max(settle_bound_s, queue_bound_s + restart_bound_s)
             while not driver.wait_finished(timeout=_LIVENESS_POLL_S):
                 if self._check_liveness():  # a request stuck in some phase: found, named
                     return
@@ -1041,10 +1044,13 @@ def make_engine_machine(
                 stats.last_trace = events
             stats.rules += 1
 
-        @precondition(lambda self: self.driver.is_open and options.close_rule)
+        @precondition(lambda self: options.close_rule)
         @rule()
         @_answered()
         def close_and_reopen(self) -> None:
+            # What the reopened engine starts as, whatever happens: later preconditions
+            # must not depend on whether something was found first.
+            self.asleep = self.hang_pending = False
             if self.found:
                 return
             self._close_engine_and_check()

@@ -450,47 +450,63 @@ async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
 
 
 def test_the_arrival_log_measures_who_arrives_per_second() -> None:
+    """As the service rate: the arrivals after the first in the window, over the time
+    since the first (so one stream of arrivals and completions give the same rate)."""
     log = ArrivalLog(window=4, window_s=10.0)
     better_than_5 = lambda priority, _klass: priority < 5  # noqa: E731
+    of_b = lambda _priority, klass: klass == "b"  # noqa: E731
     assert log.rate(0.0, better_than_5) == 0.0
     log.record(1.0, 0, "a")
     assert log.rate(1.0, better_than_5) == 0.0  # one arrival measures nothing
     log.record(1.5, 5, "b")
     log.record(2.0, 0, "a")
-    assert log.rate(2.0, better_than_5) == pytest.approx(2 / 1.0)
-    assert log.rate(2.0, lambda _p, klass: klass == "b") == pytest.approx(1 / 1.0)
-    assert log.rate(3.0, better_than_5) == pytest.approx(2 / 2.0)  # a lull decays it
+    assert log.rate(2.0, better_than_5) == pytest.approx(1 / 1.0)
+    assert log.rate(2.0, of_b) == pytest.approx(1 / 1.0)
+    assert log.rate(3.0, better_than_5) == pytest.approx(1 / 2.0)  # a lull decays it
     for t in (3.0, 4.0, 5.0):
         log.record(t, 5, "b")
-    assert log.rate(5.0, better_than_5) == pytest.approx(1 / 3.0)  # only the last 4 count
-    assert log.rate(20.0, better_than_5) == 0.0  # all older than the window
+    # Only the last 4 count: (2.0, a) starts the window, the three "b" after it.
+    assert log.rate(5.0, of_b) == pytest.approx(3 / 3.0)
+    assert log.rate(5.0, better_than_5) == 0.0
+    assert log.rate(20.0, of_b) == 0.0  # all older than the window
 
 
 async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() -> None:
-    """A low-priority request is passed by the better ones that keep arriving: when they
-    alone arrive faster than the pool serves, a low request with a deadline is refused
-    (503) even with nothing in flight; a request of the best priority with the same
-    deadline, which nothing passes, is admitted."""
-    config = echo_config(scheduling_policy="priority")
+    """While requests wait, a low-priority request is passed by the better ones that keep
+    arriving: right after a burst of them, a low request whose deadline covers the
+    requests ahead of it in arrival order is refused (503); a request of the best
+    priority with the same deadline, which nothing passes, is admitted.  With nothing
+    waiting (a pool that keeps up) no share is taken out."""
+    config = echo_config(scheduling_policy="priority", max_num_seqs=1)
     with trio.fail_after(CAP_S):
-        async with serving(EnginePool(config, max_queue_len=16)) as pool:
+        async with serving(EnginePool(config, max_queue_len=32)) as pool:
             for index in range(3):
                 await final_of(pool.submit(f"p{index}", SHORT))
-            rate = pool.service_rate()
-            assert rate is not None
             burst = [
                 pool.submit("p", LONG.replace(priority=-5), request_id=f"h{i}") for i in range(8)
             ]
             for submission in burst:  # gone again: only their arrivals are remembered
                 pool.abort(submission.request_id)
                 await final_of(submission)
-            deadline = 3 / pool.service_rate()  # type: ignore[operator]
+            rate = pool.service_rate()
+            assert rate is not None
+            roomy = SHORT.replace(priority=5, deadline_s=6 / rate)
+            alone = pool.submit("p", roomy, request_id="alone")  # nothing waits: admitted
+            pool.abort(alone.request_id)
+            await final_of(alone)
+            running = pool.submit("p", LONG.replace(priority=5), request_id="running")
+            engine = pool.replica_engine(0)
+            assert engine is not None
+            await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
+            waiting = pool.submit("p", LONG.replace(priority=5), request_id="waiting")
+            # In arrival order it would finish in 3 service times (< 6); the better ones
+            # that keep coming make that many more.
             with pytest.raises(QueueWaitError, match="timeout"):
-                pool.submit("p", SHORT.replace(priority=5, deadline_s=deadline), request_id="low")
-            high = pool.submit(
-                "p", SHORT.replace(priority=-5, deadline_s=deadline), request_id="high"
-            )
-            assert (await final_of(high)).finished
+                pool.submit("p", roomy, request_id="low")
+            high = pool.submit("p", roomy.replace(priority=-5), request_id="high")
+            for submission in (running, waiting, high):
+                pool.abort(submission.request_id)
+                await final_of(submission)
 
 
 async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:

@@ -132,3 +132,30 @@ def test_leftovers_mid_flight_and_once_settled(cache_dir: Path) -> None:
         driver.close()
 
     run_driven(scenario)
+
+
+def test_a_close_that_outlasts_the_call_bound_cancels_the_engine(cache_dir: Path) -> None:
+    """A close with no answer within ``call_timeout_s`` raises ``trio.TooSlowError`` after
+    cancelling the engine's task and its consumers: nothing of the engine (worker thread,
+    consumer) outlives the call, and the driver can open another engine."""
+    import trio
+
+    def scenario(driver: EngineDriver) -> dict[str, object]:
+        driver.open(config(cache_dir))
+        running = driver.submit("a", params(1, steps=200))
+        driver.call_timeout_s = 0.0  # every call times out at its first checkpoint
+        with pytest.raises(trio.TooSlowError):
+            driver.close()
+        driver.call_timeout_s = 60.0
+        assert not driver.is_open
+        left = leftover_resources()
+        consumer_done = driver.consumers[running].done
+        driver.open(config(cache_dir))  # the driver is usable again
+        served = driver.submit("b", params(2))
+        assert driver.wait_finished([served], timeout=30)
+        driver.close()
+        return {"left": left, "consumer_done": consumer_done}
+
+    result = run_driven(scenario)
+    assert result["left"] == {"threads": [], "shm_segments": [], "processes": []}
+    assert result["consumer_done"]
