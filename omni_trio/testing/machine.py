@@ -21,6 +21,7 @@ engine lives in a real trio loop in the calling thread) and returns campaign cou
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -627,6 +628,17 @@ def make_engine_machine(
                     first.setdefault(("", _K.CLOSE), index)
             close_at = first.get(("", _K.CLOSE), len(events))
             crashes = [i for i, event in enumerate(events) if event.kind is _K.CRASH]
+            # The forwards (step ids) each request ran in, and those a request with a
+            # failing fault ran in: one admitted before another, still waiting when the
+            # other came, may share its batch too.
+            forwards: dict[str, set[int]] = {}
+            for event in events:
+                if event.kind is _K.EXEC_START and event.request_id is not None:
+                    forwards.setdefault(event.request_id, set()).add(event.step_id or 0)
+            faulty: set[int] = set()
+            for rid, sub in self.submitted.items():
+                if sub.fault is not None and sub.fault.kind in FAILING_FAULTS:
+                    faulty |= forwards.get(rid, set())
             for rid, sub in self.submitted.items():
                 admit = first.get((rid, _K.ADMIT))
                 end = first.get((rid, _K.TERMINAL))
@@ -649,11 +661,14 @@ def make_engine_machine(
                     if status == "FINISHED_COMPLETED":
                         bad(rid, f"its fault {sub.fault} fired but it completed")
                     continue
-                # Exposed: a failing fault was submitted while it lived (it may share its
-                # batch), or its worker group failed while it lived (a neighbour's crash
-                # retried it, perhaps beside the same neighbour again: retries run out).
-                exposed = any(admit <= mark <= end for mark in self.fault_marks) or any(
-                    admit <= at <= end for at in crashes
+                # Exposed: a failing fault was submitted while it lived, or it shared a
+                # forward with a request that has one, or its worker group failed while it
+                # lived (a neighbour's crash retried it, perhaps beside the same neighbour
+                # again: retries run out).
+                exposed = (
+                    any(admit <= mark <= end for mark in self.fault_marks)
+                    or not faulty.isdisjoint(forwards.get(rid, ()))
+                    or any(admit <= at <= end for at in crashes)
                 )
                 if not exposed and status != "FINISHED_COMPLETED":
                     bad(rid, f"no fault, no abort, no crash while it ran, yet it ended {status}")
@@ -1103,6 +1118,10 @@ def make_engine_machine(
             """A request with ``deadline_s`` ends within ``_DEADLINE_SLACK_S`` of it (INV-6:
             a step or a step callback, and the loop's scheduling).  A restart, a sleep or a
             close while it lived excuses it (the core ends it once the engine runs again).
+            Ended by its deadline (not completed) but late, or still live, it is a finding
+            only if the engine went on working (scheduled or started a forward) past the
+            deadline plus the slack meanwhile: a loop that did nothing at all for a moment
+            (a loaded machine held the whole process up) ends it late for nobody's fault.
             ``now`` None: the trace is closed."""
             found: list[Violation] = []
             timed = {rid: sub for rid, sub in self.submitted.items() if sub.deadline_s}
@@ -1111,6 +1130,7 @@ def make_engine_machine(
             admitted: dict[str, TraceEvent] = {}
             ended: dict[str, TraceEvent] = {}
             excused: set[str] = set()
+            work = sorted(e.time for e in events if e.kind in (_K.SCHEDULE, _K.EXEC_START))
             for event in events:
                 rid = event.request_id
                 if rid is None:
@@ -1128,7 +1148,9 @@ def make_engine_machine(
                 due = admit.time + sub.deadline_s + _DEADLINE_SLACK_S
                 end = ended.get(rid)
                 late = (end.time if end is not None else now) or 0.0
-                if (end is not None or now is not None) and late > due:
+                completed = end is not None and end.detail.get("status") == "FINISHED_COMPLETED"
+                worked = bisect.bisect_right(work, due) < bisect.bisect_left(work, late)
+                if (end is not None or now is not None) and late > due and (completed or worked):
                     what = "ended" if end is not None else "is still live"
                     history = tuple(e for e in events if e.request_id == rid)
                     found.append(

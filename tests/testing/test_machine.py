@@ -327,3 +327,86 @@ def test_a_driver_call_with_no_answer_is_a_finding_naming_the_rule() -> None:
     (finding,) = machine.found
     assert finding.invariant == "INV-6"
     assert "submit_some" in finding.message and "2.5 s" in finding.message
+
+
+def _bare_machine(options: MachineOptions) -> Any:
+    """An engine machine object with no engine (its reference model and deadline oracle
+    read only the trace and what was submitted)."""
+    from omni_trio.testing.machine import make_engine_machine
+
+    cls = make_engine_machine(options, lambda: None, CampaignStats())  # type: ignore[arg-type,return-value]
+    machine: Any = cls.__new__(cls)
+    machine.submitted, machine.fault_marks, machine.asleep = {}, [], False
+    return machine
+
+
+def _events(*rows: tuple[float, str, str | None, int | None, dict[str, Any]]) -> list[Any]:
+    from omni_trio._core.trace import TraceEvent, TraceKind
+
+    return [
+        TraceEvent(seq, time, TraceKind(kind), rid, step, None, detail)
+        for seq, (time, kind, rid, step, detail) in enumerate(rows)
+    ]
+
+
+def test_a_request_fused_with_an_earlier_faulty_one_may_fail_with_it() -> None:
+    """The reference model: a request that shared a forward with a request carrying a
+    failing fault (admitted before it, still waiting when it came) may end in error; one
+    that shared none with it must complete."""
+    from omni_trio.testing.machine import _Submitted
+
+    machine = _bare_machine(MachineOptions())
+    fault = FaultSpec(Fault.RAISE_AT_STEP, step=0)
+    machine.submitted = {
+        "faulty": _Submitted("faulty", 3, fault),
+        "fused": _Submitted("fused", 3, None),
+        "apart": _Submitted("apart", 3, None),
+    }
+    error = {"status": "FINISHED_ERROR"}
+    events = _events(
+        (0.0, "admit", "faulty", None, {}),
+        (0.1, "admit", "fused", None, {}),
+        (0.1, "admit", "apart", None, {}),
+        (0.2, "exec_start", "faulty", 7, {}),
+        (0.2, "exec_start", "fused", 7, {}),
+        (0.3, "terminal", "faulty", None, error),
+        (0.3, "terminal", "fused", None, error),
+        (0.4, "exec_start", "apart", 8, {}),
+        (0.5, "terminal", "apart", None, error),
+    )
+    found = machine._check_outcomes(events)
+    assert [v.request_id for v in found] == ["apart"]
+
+
+def test_a_deadline_ended_late_is_a_finding_only_if_the_engine_worked_meanwhile() -> None:
+    """A request ended by its deadline 0.3 s late: a finding when the engine scheduled
+    work past the deadline (+ slack) meanwhile, not when the whole loop was held up; one
+    that completed late ran past its deadline either way."""
+    from omni_trio.testing.machine import _Submitted
+
+    machine = _bare_machine(MachineOptions(mode="step"))
+    machine.submitted = {"r": _Submitted("r", 120, None, deadline_s=0.1)}
+    aborted = {"status": "FINISHED_ABORTED"}
+    frozen = _events(
+        (0.0, "admit", "r", None, {}),
+        (0.05, "exec_start", "r", 1, {}),
+        (0.6, "terminal", "r", None, aborted),
+    )
+    assert machine._deadline_violations(frozen, None) == []
+    worked = _events(
+        (0.0, "admit", "r", None, {}),
+        (0.05, "exec_start", "r", 1, {}),
+        (0.45, "exec_start", "r", 2, {}),
+        (0.6, "terminal", "r", None, aborted),
+    )
+    (late,) = machine._deadline_violations(worked, None)
+    assert late.invariant == "INV-6" and "deadline_s=0.1" in late.message
+    completed = _events(
+        (0.0, "admit", "r", None, {}),
+        (0.05, "exec_start", "r", 1, {}),
+        (0.6, "terminal", "r", None, {"status": "FINISHED_COMPLETED"}),
+    )
+    assert len(machine._deadline_violations(completed, None)) == 1
+    live = frozen[:2]
+    assert machine._deadline_violations(live, 0.6) == []  # nothing worked: not yet
+    assert len(machine._deadline_violations(worked[:3], 0.6)) == 1
