@@ -137,28 +137,52 @@ class QueueFullError(OmniTrioError):
 
 
 class ServiceRate:
-    """Requests completed per second, measured over the last ``window`` completions of the
-    last ``window_s`` seconds.  Pure: the caller passes the time."""
+    """Requests completed per second, and work (denoising steps x images) completed per
+    second, measured over the last ``window`` completions of the last ``window_s``
+    seconds.  Pure: the caller passes the time."""
 
     def __init__(self, window: int = RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
-        self._times: deque[float] = deque(maxlen=window)
+        self._done: deque[tuple[float, float]] = deque(maxlen=window)
         self._window_s = window_s
 
-    def record(self, now: float) -> None:
-        """One request completed at ``now``."""
-        self._times.append(now)
+    def record(self, now: float, work: float = 1.0) -> None:
+        """One request of ``work`` completed at ``now``."""
+        self._done.append((now, work))
+
+    def _span(self, now: float) -> float | None:
+        done = self._done
+        while done and now - done[0][0] > self._window_s:
+            done.popleft()
+        if len(done) < 2:
+            return None
+        span = now - done[0][0]
+        return span if span > 0 else None
 
     def rate(self, now: float) -> float | None:
         """Completions per second (None: fewer than two in the window).  The time since
         the last completion counts, so a rate measured before a stall decays instead of
         staying optimistic."""
-        times = self._times
-        while times and now - times[0] > self._window_s:
-            times.popleft()
-        if len(times) < 2:
+        span = self._span(now)
+        return None if span is None else (len(self._done) - 1) / span
+
+    def work_rate(self, now: float) -> float | None:
+        """Work completed per second, measured the same way (the completions after the
+        first in the window over the time since it); None as :meth:`rate`."""
+        span = self._span(now)
+        if span is None:
             return None
-        span = now - times[0]
-        return (len(times) - 1) / span if span > 0 else None
+        return sum(work for _, work in itertools.islice(self._done, 1, None)) / span
+
+
+def request_work(params: SamplingParams) -> float:
+    """A request's work for the pool's estimates: denoising steps x images (its run time
+    grows with both; with the size too, but the rate is measured on this pool's own mix).
+    One for parameters the engine's validation will refuse (it reports them, not this)."""
+    try:
+        work = float(params.total_steps * params.num_outputs_per_prompt)
+    except Exception:
+        return 1.0
+    return work if work > 0 else 1.0
 
 
 class ArrivalLog:
@@ -167,18 +191,18 @@ class ArrivalLog:
     a given policy would run before an earlier one.  Pure: the caller passes the time."""
 
     def __init__(self, window: int = 4 * RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
-        self._arrivals: deque[tuple[float, int, Hashable]] = deque(maxlen=window)
+        self._arrivals: deque[tuple[float, int, Hashable, float]] = deque(maxlen=window)
         self._window_s = window_s
 
-    def record(self, now: float, priority: int, klass: Hashable) -> None:
-        """A request of ``priority`` and class ``klass`` was admitted at ``now``."""
-        self._arrivals.append((now, priority, klass))
+    def record(self, now: float, priority: int, klass: Hashable, work: float = 1.0) -> None:
+        """A request of ``priority``, class ``klass`` and ``work`` was admitted at ``now``."""
+        self._arrivals.append((now, priority, klass, work))
 
     def rate(self, now: float, counts: Callable[[int, Hashable], bool]) -> float:
-        """Admissions per second for which ``counts(priority, klass)`` holds (0.0 with
-        fewer than two in the window), measured as :class:`ServiceRate` measures
-        completions: the ones after the first in the window over the time since it.  The
-        time since the last one counts, so a burst that ended decays."""
+        """Work admitted per second in the requests for which ``counts(priority, klass)``
+        holds (0.0 with fewer than two in the window), measured as :class:`ServiceRate`
+        measures completions: the ones after the first in the window over the time since
+        it.  The time since the last one counts, so a burst that ended decays."""
         arrivals = self._arrivals
         while arrivals and now - arrivals[0][0] > self._window_s:
             arrivals.popleft()
@@ -186,7 +210,7 @@ class ArrivalLog:
         if len(arrivals) < 2 or span <= 0:
             return 0.0
         later = itertools.islice(arrivals, 1, None)
-        return sum(1 for _, priority, klass in later if counts(priority, klass)) / span
+        return sum(work for _, p, klass, work in later if counts(p, klass)) / span
 
 
 class OpenTime:
@@ -278,11 +302,14 @@ class PooledStream:
         move: Callable[[PooledStream], RequestStream | None] | None = None,
         priority: int = 0,
         klass: Hashable = None,
+        work: float = 1.0,
     ) -> None:
         self._inner = inner
-        # Its SamplingParams.priority and compatibility class (the pool's wait estimate).
+        # Its SamplingParams.priority, compatibility class and work (denoising steps x
+        # images): the pool's wait estimate.
         self.priority = priority
         self.klass = klass
+        self.work = work
         self._move = move
         self._started = False  # a chunk reached the consumer: it can no longer move
         self.moves = 0  # times it moved to another replica after its own died
@@ -802,9 +829,10 @@ class EnginePool:
             move=partial(self._move_elsewhere, prompt, params.replace(seed=inner.seed)),
             priority=params.priority,
             klass=klass,
+            work=request_work(params),
         )
         self._active[rid] = stream
-        self._arrivals.record(trio.current_time(), params.priority, klass)
+        self._arrivals.record(trio.current_time(), params.priority, klass, stream.work)
         wait = self.restart_wait_s
         if (
             restarting
@@ -826,11 +854,18 @@ class EnginePool:
         completions of the last :data:`RATE_WINDOW_S` seconds (None: too few measured)."""
         return self._service.rate(trio.current_time())
 
+    def work_rate(self) -> float | None:
+        """Work (denoising steps x images) the pool completed per second, over the same
+        window as :meth:`service_rate` (None: too few measured)."""
+        return self._service.work_rate(trio.current_time())
+
     def estimated_wait_s(self) -> float | None:
-        """How long a request admitted now would wait behind the requests in flight, at
-        the measured service rate (None: nothing measured yet)."""
-        rate = self.service_rate()
-        return None if rate is None else len(self._active) / rate
+        """How long a request admitted now would wait behind the requests in flight (the
+        work they have left, at the measured rate of work; None: nothing measured yet)."""
+        work_rate = self.work_rate()
+        if work_rate is None:
+            return None
+        return sum(map(self._work_left, self._active.values())) / work_rate
 
     def retry_after_s(self, excess: int | None = None) -> int:
         """What a client refused for load should wait before trying again
@@ -898,10 +933,10 @@ class EnginePool:
         :meth:`_estimated_wait_s`."""
         if params.deadline_s is None and self.max_queue_wait_s is None:
             return
-        rate = self.service_rate()
-        if rate is None:
+        work_rate = self.work_rate()
+        if work_rate is None or work_rate <= 0:
             return
-        wait, run = self._estimated_wait_s(params, klass, rate)
+        wait, run = self._estimated_wait_s(params, klass, work_rate)
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
         # Its deadline covers its own run too.
@@ -911,51 +946,67 @@ class EnginePool:
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
 
+    def _work_left(self, stream: PooledStream) -> float:
+        """What ``stream``'s request has left to do: its work, less the share of its steps
+        done where its engine tracks them."""
+        engine = self._replicas[stream.replica].engine
+        progress = None if engine is None else engine.progress(stream.engine_request_id)
+        if progress is None or progress[1] <= 0:
+            return stream.work
+        done, total = progress
+        return stream.work * max(0.0, 1.0 - done / total)
+
     def _estimated_wait_s(
-        self, params: SamplingParams, klass: Hashable, rate: float
+        self, params: SamplingParams, klass: Hashable, work_rate: float
     ) -> tuple[float, float]:
         """``(wait, run)``: how long a request admitted now would wait, and then run, at
-        the measured service ``rate``.
+        the measured rate of work (denoising steps x images completed per second: a
+        16-step request counts four times a 4-step one, and one half done half).
 
-        ``fifo``: it waits for every request in flight and runs one service time:
-        ``(n / rate, 1 / rate)``.  ``priority``: it waits for those it does not pass
+        ``fifo``: it waits for the work left in every request in flight, and runs its own.
+        ``priority``: it waits for the work left in those it does not pass
         (:meth:`_ahead_of`), and while some wait, requests of a better priority keep
         arriving and run first (in step mode they preempt it too): their measured share
-        ``rho`` of the service rate is not its (``rate x (1 - rho)``, ``rho`` at most
+        ``rho`` of the rate of work is not its (``rate x (1 - rho)``, ``rho`` at most
         :data:`MAX_PASSING_SHARE`; the waiting time of a low class under a high one).
-        ``fair``: it waits for its own class's requests in flight and, from every other
-        class, as many as that plus one (the classes take turns); while some wait, later
-        arrivals of other classes take turns too, but its class gets at least its share:
-        never more than ``classes x (own + 1) / rate`` in all.  The rate is a measured
-        throughput, not a capacity: on a pool that keeps up, nothing waits and no share is
-        taken out."""
+        ``fair``: it waits for the work left in its own class and, from every other class,
+        at most as much as that plus its own (the classes take turns); while some wait,
+        later arrivals of other classes take turns too, but its class gets at least its
+        share: never more than ``classes x (own + its work) / rate`` in all.  The rate is a
+        measured throughput, not a capacity: on a pool that keeps up, nothing waits and no
+        share is taken out."""
         policy = self.engine_config.scheduling_policy
         now = trio.current_time()
+        own_work = request_work(params)
         if policy == "fair":
-            own = sum(1 for s in self._active.values() if s.klass == klass)
-            others: dict[Hashable, int] = {}
+            own = 0.0
+            others: dict[Hashable, float] = {}
             for stream in self._active.values():
-                if stream.klass != klass:
-                    others[stream.klass] = others.get(stream.klass, 0) + 1
-            ahead = own + sum(min(count, own + 1) for count in others.values())
+                left = self._work_left(stream)
+                if stream.klass == klass:
+                    own += left
+                else:
+                    others[stream.klass] = others.get(stream.klass, 0.0) + left
+            ahead = own + sum(min(work, own + own_work) for work in others.values())
             rho = 0.0
             if self._any_waiting():
-                rho = self._arrivals.rate(now, lambda _, c: c != klass) / rate
-            free = rate * (1 - min(rho, MAX_PASSING_SHARE))
-            wait, run = ahead / free, 1 / free
-            share_bound = (len(others) + 1) * (own + 1) / rate
+                rho = self._arrivals.rate(now, lambda _, c: c != klass) / work_rate
+            free = work_rate * (1 - min(rho, MAX_PASSING_SHARE))
+            wait, run = ahead / free, own_work / free
+            share_bound = (len(others) + 1) * (own + own_work) / work_rate
             if wait + run > share_bound:
-                return share_bound - 1 / rate, 1 / rate
+                return share_bound - own_work / work_rate, own_work / work_rate
             return wait, run
         if policy == "priority":
-            ahead, waiting = self._ahead_of(params)
+            ahead_streams, waiting = self._ahead_of(params)
             rho = 0.0
             if waiting:
                 own_priority = params.priority
-                rho = self._arrivals.rate(now, lambda p, _: p < own_priority) / rate
-            free = rate * (1 - min(rho, MAX_PASSING_SHARE))
-            return ahead / free, 1 / free
-        return len(self._active) / rate, 1 / rate
+                rho = self._arrivals.rate(now, lambda p, _: p < own_priority) / work_rate
+            free = work_rate * (1 - min(rho, MAX_PASSING_SHARE))
+            return sum(map(self._work_left, ahead_streams)) / free, own_work / free
+        left = sum(map(self._work_left, self._active.values()))
+        return left / work_rate, own_work / work_rate
 
     def _any_waiting(self) -> bool:
         """Whether some request in flight still waits in its engine's queue (O(n))."""
@@ -979,19 +1030,20 @@ class EnginePool:
         except Exception:  # the engine's validation reports a bad request, not this
             return None
 
-    def _ahead_of(self, params: SamplingParams) -> tuple[int, bool]:
+    def _ahead_of(self, params: SamplingParams) -> tuple[list[PooledStream], bool]:
         """Under ``scheduling_policy="priority"``: the requests in flight that a request
         with ``params`` admitted now would wait for (not a waiting one of a worse, higher
         priority: it passes those; the ones of a better or equal priority, and those
         already running), and whether any request in flight is waiting (O(n))."""
-        ahead, waiting = 0, False
+        ahead: list[PooledStream] = []
+        waiting = False
         for stream in self._active.values():
             engine = self._replicas[stream.replica].engine
             status = None if engine is None else engine.status(stream.engine_request_id)
             queued = status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             waiting = waiting or queued
             if stream.priority <= params.priority or not queued:
-                ahead += 1  # better or equal, or running (or packing): it holds a slot
+                ahead.append(stream)  # better or equal, or running (or packing)
         return ahead, waiting
 
     def _move_elsewhere(
@@ -1034,7 +1086,7 @@ class EnginePool:
         if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
             return
         if stream.completed:
-            self._service.record(trio.current_time())
+            self._service.record(trio.current_time(), stream.work)
         del self._active[rid]
         self._restart_waits.pop(rid, None)
         self._replicas[stream.replica].in_flight -= 1

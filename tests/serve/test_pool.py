@@ -375,6 +375,21 @@ def test_the_service_rate_is_measured_over_recent_completions() -> None:
     assert meter.rate(14.5) is None  # all but one older than the window
 
 
+def test_the_rate_of_work_weighs_each_completion_by_its_steps() -> None:
+    meter = ServiceRate(window=4, window_s=10.0)
+    meter.record(1.0, work=16.0)
+    assert meter.work_rate(1.0) is None
+    meter.record(2.0, work=4.0)
+    meter.record(3.0, work=16.0)
+    # The completions after the first, over the time since it: (4 + 16) / 2 s.
+    assert meter.work_rate(3.0) == pytest.approx(20 / 2.0)
+    assert meter.rate(3.0) == pytest.approx(2 / 2.0)
+    assert meter.work_rate(4.0) == pytest.approx(20 / 3.0)  # a lull decays it
+    assert pool_module.request_work(SHORT) == SHORT.num_inference_steps
+    assert pool_module.request_work(SHORT.replace(num_outputs_per_prompt=2)) == 4.0
+    assert pool_module.request_work(SHORT.replace(num_inference_steps=-1)) == 1.0
+
+
 async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> None:
     """Before anything completed: the default Retry-After and no queue-wait check.  Once
     requests completed: a request whose timeout is shorter than the estimated wait behind
@@ -417,14 +432,13 @@ async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> N
 async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
     """``scheduling_policy="priority"``: a high-priority request is not refused for the
     waiting low-priority requests it will pass, but is for the one running (it holds the
-    slot) and for requests of its own priority; a low one waits for everyone."""
+    slot) and for requests of its own priority; a low one waits for everyone.  Waits are
+    the work left (steps), at the measured rate of work."""
     config = echo_config(scheduling_policy="priority")
     with trio.fail_after(CAP_S):
         async with serving(EnginePool(config, max_queue_len=16)) as pool:
             for index in range(3):
                 await final_of(pool.submit(f"p{index}", SHORT))
-            rate = pool.service_rate()
-            assert rate is not None
             running = pool.submit("p", LONG.replace(priority=5), request_id="running")
             engine = pool.replica_engine(0)
             assert engine is not None
@@ -432,17 +446,18 @@ async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
             waiting = [
                 pool.submit("p", LONG.replace(priority=5), request_id=f"w{i}") for i in range(6)
             ]
-            rate = pool.service_rate()
-            assert rate is not None
-            one, all_of_them = 1 / rate, len(waiting) + 1
-            # Its finish: the running one, then itself (2 service times) < 4 of them.
+            work_rate = pool.work_rate()
+            assert work_rate is not None
+            steps = LONG.num_inference_steps
+            # Its finish: what the running one has left, then itself: < 1.5 x (LONG + SHORT).
+            deadline = 1.5 * (steps + SHORT.num_inference_steps) / work_rate
             high = pool.submit(
-                "p", SHORT.replace(priority=-5, deadline_s=4 * one), request_id="high"
+                "p", SHORT.replace(priority=-5, deadline_s=deadline), request_id="high"
             )
             # A low one with the same deadline waits for all seven (and "high"): refused.
             with pytest.raises(QueueWaitError, match="timeout") as info:
-                pool.submit("p", SHORT.replace(priority=5, deadline_s=4 * one), request_id="low")
-            assert info.value.estimate_s >= (all_of_them + 1) / pool.service_rate()  # type: ignore[operator]
+                pool.submit("p", SHORT.replace(priority=5, deadline_s=deadline), request_id="low")
+            assert info.value.estimate_s >= len(waiting) * steps / work_rate
             for submission in (running, high, *waiting):
                 pool.abort(submission.request_id)
             for submission in (running, high, *waiting):
@@ -474,9 +489,9 @@ def test_the_arrival_log_measures_who_arrives_per_second() -> None:
 async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() -> None:
     """While requests wait, a low-priority request is passed by the better ones that keep
     arriving: right after a burst of them, a low request whose deadline covers the
-    requests ahead of it in arrival order is refused (503); a request of the best
-    priority with the same deadline, which nothing passes, is admitted.  With nothing
-    waiting (a pool that keeps up) no share is taken out."""
+    work ahead of it in arrival order is refused (503); a request of the best priority
+    with the same deadline, which nothing passes, is admitted.  With nothing waiting (a
+    pool that keeps up) no share is taken out."""
     config = echo_config(scheduling_policy="priority", max_num_seqs=1)
     with trio.fail_after(CAP_S):
         async with serving(EnginePool(config, max_queue_len=32)) as pool:
@@ -488,9 +503,11 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
             for submission in burst:  # gone again: only their arrivals are remembered
                 pool.abort(submission.request_id)
                 await final_of(submission)
-            rate = pool.service_rate()
-            assert rate is not None
-            roomy = SHORT.replace(priority=5, deadline_s=6 / rate)
+            work_rate = pool.work_rate()
+            assert work_rate is not None
+            steps = LONG.num_inference_steps
+            # Two LONG ahead of it in arrival order, and its own run: 2 x LONG + SHORT.
+            roomy = SHORT.replace(priority=5, deadline_s=3 * steps / work_rate)
             alone = pool.submit("p", roomy, request_id="alone")  # nothing waits: admitted
             pool.abort(alone.request_id)
             await final_of(alone)
@@ -499,8 +516,8 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
             assert engine is not None
             await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
             waiting = pool.submit("p", LONG.replace(priority=5), request_id="waiting")
-            # In arrival order it would finish in 3 service times (< 6); the better ones
-            # that keep coming make that many more.
+            # In arrival order it would finish within its deadline; the better ones that
+            # keep coming take most of the rate of work.
             with pytest.raises(QueueWaitError, match="timeout"):
                 pool.submit("p", roomy, request_id="low")
             high = pool.submit("p", roomy.replace(priority=-5), request_id="high")
@@ -510,10 +527,10 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
 
 
 async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
-    """``fair``: a request of a class with nothing in flight waits for one request of each
-    other class (they take turns), not for all of them: with two 64-px requests in flight,
-    a 32-px request whose deadline covers two service times is admitted under fair and
-    refused under fifo."""
+    """``fair``: a request of a class with nothing in flight waits for at most as much
+    work of each other class as its own (they take turns), not for all of it: with two
+    long 64-px requests in flight, a short 32-px request whose deadline covers a few
+    times its own work is admitted under fair and refused under fifo."""
     small = SamplingParams(height=32, width=32, num_inference_steps=2)
     for policy, admitted in (("fair", True), ("fifo", False)):
         with trio.fail_after(CAP_S):
@@ -522,10 +539,10 @@ async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
             ) as pool:
                 for index in range(3):
                     await final_of(pool.submit(f"p{index}", SHORT))
-                rate = pool.service_rate()
-                assert rate is not None
                 big = [pool.submit("p", LONG, request_id=f"big{i}") for i in range(2)]
-                deadline = 2.5 / pool.service_rate()  # type: ignore[operator]
+                work_rate = pool.work_rate()
+                assert work_rate is not None
+                deadline = 10 * small.num_inference_steps / work_rate
                 try:
                     ours = pool.submit("p", small.replace(deadline_s=deadline), request_id="s")
                 except QueueWaitError:
