@@ -946,6 +946,17 @@ class EnginePool:
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
 
+    def _run_s(self, own_work: float, work_rate: float) -> float:
+        """How long a request of ``own_work`` runs once started: the rate of work is
+        shared by every request that runs at once (a batch on each replica), so its own
+        steps come at ``work_rate / sharing``, where ``sharing`` is the requests running
+        beside it: the pool's slots (``replicas x max_num_seqs x data_parallel_size``),
+        or fewer while fewer are in flight."""
+        config = self.engine_config
+        slots = self.replicas * config.max_num_seqs * config.data_parallel_size
+        sharing = max(1, min(slots, len(self._active) + 1))
+        return own_work * sharing / work_rate
+
     def _work_left(self, stream: PooledStream) -> float:
         """What ``stream``'s request has left to do: its work, less the share of its steps
         done where its engine tracks them."""
@@ -963,18 +974,22 @@ class EnginePool:
         the measured rate of work (denoising steps x images completed per second: a
         16-step request counts four times a 4-step one, and one half done half).
 
-        ``fifo``: it waits for the work left in every request in flight, and runs its own.
+        ``fifo``: it waits for the work left in every request in flight, and runs its
+        own beside the others running (:meth:`_run_s`).
+
         ``priority``: it waits for the work left in those it does not pass
-        (:meth:`_ahead_of`), and while some wait, requests of a better priority keep
-        arriving and run first (in step mode they preempt it too): their measured share
-        ``rho`` of the rate of work is not its (``rate x (1 - rho)``, ``rho`` at most
+        (:meth:`_ahead_of`); while some wait, requests of a better priority keep arriving
+        and run first (in step mode they preempt it too): their measured share ``rho`` of
+        the rate of work is not its (``rate x (1 - rho)``, ``rho`` at most
         :data:`MAX_PASSING_SHARE`; the waiting time of a low class under a high one).
-        ``fair``: it waits for the work left in its own class and, from every other class,
-        at most as much as that plus its own (the classes take turns); while some wait,
-        later arrivals of other classes take turns too, but its class gets at least its
-        share: never more than ``classes x (own + its work) / rate`` in all.  The rate is a
-        measured throughput, not a capacity: on a pool that keeps up, nothing waits and no
-        share is taken out."""
+
+        ``fair``: it waits for the work left in its own class and, from every other
+        class, at most as much as that plus its own (the classes take turns); while some
+        wait, later arrivals of other classes take turns too, but its class gets at least
+        its turn among the classes in flight: it waits at most ``classes x own / rate``.
+
+        The rate is a measured throughput, not a capacity: on a pool that keeps up,
+        nothing waits and no share is taken out."""
         policy = self.engine_config.scheduling_policy
         now = trio.current_time()
         own_work = request_work(params)
@@ -991,22 +1006,23 @@ class EnginePool:
             rho = 0.0
             if self._any_waiting():
                 rho = self._arrivals.rate(now, lambda _, c: c != klass) / work_rate
-            free = work_rate * (1 - min(rho, MAX_PASSING_SHARE))
-            wait, run = ahead / free, own_work / free
-            share_bound = (len(others) + 1) * (own + own_work) / work_rate
-            if wait + run > share_bound:
-                return share_bound - own_work / work_rate, own_work / work_rate
-            return wait, run
+            # (Its class gets at least its turn among the classes in flight.)
+            share = max(1 - min(rho, MAX_PASSING_SHARE), 1 / (len(others) + 1))
+            run = self._run_s(own_work, work_rate)
+            wait = ahead / (work_rate * share)
+            share_bound = (len(others) + 1) * own / work_rate
+            return min(wait, share_bound), run / share
         if policy == "priority":
             ahead_streams, waiting = self._ahead_of(params)
             rho = 0.0
             if waiting:
                 own_priority = params.priority
                 rho = self._arrivals.rate(now, lambda p, _: p < own_priority) / work_rate
-            free = work_rate * (1 - min(rho, MAX_PASSING_SHARE))
-            return sum(map(self._work_left, ahead_streams)) / free, own_work / free
+            share = 1 - min(rho, MAX_PASSING_SHARE)
+            ahead = sum(map(self._work_left, ahead_streams))
+            return ahead / (work_rate * share), self._run_s(own_work, work_rate) / share
         left = sum(map(self._work_left, self._active.values()))
-        return left / work_rate, own_work / work_rate
+        return left / work_rate, self._run_s(own_work, work_rate)
 
     def _any_waiting(self) -> bool:
         """Whether some request in flight still waits in its engine's queue (O(n))."""
