@@ -77,9 +77,34 @@ def _idle_trio_cache_threads() -> set[threading.Thread]:
 
 
 def _shm_entries() -> set[str]:
+    """Our shared-memory segments that this test session may have made: untagged ones,
+    those whose owner is gone, and those of this process or its descendants (workers, a
+    local Ray) -- never a segment another live program on the machine owns (a benchmark
+    or a campaign beside the suite)."""
     if not _SHM.is_dir():
         return set()
-    return {p.name for p in _SHM.iterdir() if "omni" in p.name}
+    return {p.name for p in _SHM.iterdir() if "omni" in p.name and _maybe_ours(p.name)}
+
+
+def _maybe_ours(name: str) -> bool:
+    from omni_trio.ipc.shm import owner_of
+
+    pid = owner_of(name)
+    for _ in range(64):  # up the parent chain to init
+        if pid is None or pid == os.getpid():
+            return True
+        if pid <= 1:
+            return False
+        pid = _parent_of(pid)
+    return False
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None  # gone meanwhile: as a gone owner, count it
 
 
 @pytest.fixture(scope="session")

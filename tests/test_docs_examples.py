@@ -117,6 +117,9 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "tests/executors/test_custom_transport.py::test_a_custom_transport_serves_and_is_supervised"
     ),
     # docs/benchmarks.md
+    ("docs/benchmarks.md", "--mode request --duration 1800 --seed 12"): NotRun(
+        "four 30-minute fuzzing campaigns (two hours of machine time)"
+    ),
     ("docs/benchmarks.md", "omni-trio bench overhead"): NotRun(
         "the list of experiments; each runs for minutes (tests/bench/test_experiments.py runs "
         "every one with --quick)"
@@ -170,6 +173,9 @@ EXAMPLES: dict[tuple[str, str], Coverage] = {
         "campaigns of 10 to 60 minutes; tests/test_fuzz.py runs short ones of each kind"
     ),
     ("docs/benchmarks.md", "omni-trio bench fuzz-power --json fuzz-power.json"): NotRun(
+        "half an hour (a campaign per mutant); tests/bench/test_fuzz_power.py runs a short one"
+    ),
+    ("docs/benchmarks.md", "omni-trio bench fuzz-power --no-progress --json"): NotRun(
         "half an hour (a campaign per mutant); tests/bench/test_fuzz_power.py runs a short one"
     ),
     ("docs/benchmarks.md", "omni-trio bench fuzz-power --mutant heartbeat"): NotRun(

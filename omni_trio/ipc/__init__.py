@@ -19,6 +19,7 @@ from .shm import ShmHandle as ShmHandle
 from .shm import ShmKind as ShmKind
 from .shm import discard as discard
 from .shm import list_our_segments as list_our_segments
+from .shm import owner_of as owner_of
 from .shm import owner_tag as owner_tag
 from .shm import pack_array as pack_array
 from .shm import pack_image as pack_image
@@ -48,6 +49,7 @@ __all__ = [
     "pack_image",
     "pack_tensor",
     "payload_nbytes",
+    "owner_of",
     "owner_tag",
     "segments_of_this_process",
     "sweep_orphans",

@@ -273,6 +273,17 @@ def owner_tag(pid: int | None = None) -> str:
     return f"o{pid}x{_start_ticks(pid) or 0}"
 
 
+def owner_of(name: str) -> int | None:
+    """The pid of the live process that owns segment ``name`` (by its :func:`owner_tag`),
+    or None when it has no owner tag or its owner is gone (the pid reused counts as
+    gone)."""
+    match = _OWNER_RE.match(name, len(SHM_PREFIX))
+    if match is None:
+        return None
+    pid = int(match.group(1))
+    return pid if _start_ticks(pid) == int(match.group(2)) else None
+
+
 def segments_of_this_process() -> list[str]:
     """Our segments that may belong to this process: those under its :func:`owner_tag`, and
     those with no owner tag at all (which nothing can attribute); never another live or

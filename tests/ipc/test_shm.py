@@ -21,6 +21,7 @@ from omni_trio.ipc import (
     ShmHandle,
     discard,
     list_our_segments,
+    owner_of,
     owner_tag,
     pack_array,
     pack_image,
@@ -363,6 +364,23 @@ def test_a_leak_check_counts_this_processs_segments_and_untagged_ones_only() -> 
         assert other.name not in ours and other.name in set(list_our_segments())
     finally:
         for handle in (mine, other, untagged):
+            discard(handle)
+
+
+def test_owner_of_names_a_live_owner_only() -> None:
+    """``owner_of``: the pid of a segment's live owner; None untagged, or when the tag's
+    process is gone or its pid now names a process started at another time."""
+    mine = to_shm(torch.ones(2), registry=SegmentRegistry(f"{owner_tag()}e0ab"))
+    parent = to_shm(torch.ones(2), registry=SegmentRegistry(f"{owner_tag(os.getppid())}w0ab"))
+    reused = to_shm(torch.ones(2), registry=SegmentRegistry(f"o{os.getpid()}x1e0ab"))
+    untagged = to_shm(torch.ones(2))
+    try:
+        assert owner_of(mine.name) == os.getpid()
+        assert owner_of(parent.name) == os.getppid()
+        assert owner_of(reused.name) is None  # same pid, another start time
+        assert owner_of(untagged.name) is None
+    finally:
+        for handle in (mine, parent, reused, untagged):
             discard(handle)
 
 
