@@ -136,6 +136,17 @@ class QueueFullError(OmniTrioError):
         self.max_queue_len = max_queue_len
 
 
+def _window_span(events: deque[Any], now: float, window_s: float) -> float | None:
+    """Drop the ``(time, ...)`` events older than ``window_s``; the time since the first
+    one left, or None with fewer than two left (a rate then measures nothing)."""
+    while events and now - events[0][0] > window_s:
+        events.popleft()
+    if len(events) < 2:
+        return None
+    span = now - events[0][0]
+    return span if span > 0 else None
+
+
 class ServiceRate:
     """Requests completed per second, and work (denoising steps x images) completed per
     second, measured over the last ``window`` completions of the last ``window_s``
@@ -150,13 +161,7 @@ class ServiceRate:
         self._done.append((now, work))
 
     def _span(self, now: float) -> float | None:
-        done = self._done
-        while done and now - done[0][0] > self._window_s:
-            done.popleft()
-        if len(done) < 2:
-            return None
-        span = now - done[0][0]
-        return span if span > 0 else None
+        return _window_span(self._done, now, self._window_s)
 
     def rate(self, now: float) -> float | None:
         """Completions per second (None: fewer than two in the window).  The time since
@@ -203,13 +208,10 @@ class ArrivalLog:
         holds (0.0 with fewer than two in the window), measured as :class:`ServiceRate`
         measures completions: the ones after the first in the window over the time since
         it.  The time since the last one counts, so a burst that ended decays."""
-        arrivals = self._arrivals
-        while arrivals and now - arrivals[0][0] > self._window_s:
-            arrivals.popleft()
-        span = now - arrivals[0][0] if arrivals else 0.0
-        if len(arrivals) < 2 or span <= 0:
+        span = _window_span(self._arrivals, now, self._window_s)
+        if span is None:
             return 0.0
-        later = itertools.islice(arrivals, 1, None)
+        later = itertools.islice(self._arrivals, 1, None)
         return sum(work for _, p, klass, work in later if counts(p, klass)) / span
 
 
