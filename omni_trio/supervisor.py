@@ -252,7 +252,8 @@ class _StartSpy:
 
 
 class Supervisor:
-    """Starts ``children`` in order and keeps them running under ``strategy`` and ``policy``.
+    """Starts ``children`` in order (all at once with ``concurrent_start``) and keeps them
+    running under ``strategy`` and ``policy``.
 
     ``on_event`` is called synchronously for every :class:`SupervisorEvent`; an exception it
     raises is logged and ignored.  Failures are handled one at a time, in the order they occur.
@@ -273,6 +274,7 @@ class Supervisor:
         name: str = "supervisor",
         on_event: Callable[[SupervisorEvent], None] | None = None,
         excused: Callable[[Exception | None], bool] | None = None,
+        concurrent_start: bool = False,
     ) -> None:
         names = [spec.name for spec in children]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -284,6 +286,7 @@ class Supervisor:
         self._name = name
         self._on_event = on_event
         self._excused = excused
+        self._concurrent_start = concurrent_start
         self._excused_restarts = 0  # made at once, outside the intensity limit
         self._intensity = RestartIntensity(policy)
         self._last_failure: str | None = None
@@ -311,11 +314,14 @@ class Supervisor:
     async def serve(
         self, *, task_status: TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Start every child in order, report ready with ``task_status.started(self)``, then
+        """Start every child in order (``concurrent_start``: all at once, for children that
+        are slow to start and independent, such as engine replicas in processes of their
+        own), report ready with ``task_status.started(self)`` once every one is, then
         supervise them until every child has stopped for good.
 
         A child that fails its first start is a configuration error: the children already
-        started are cancelled and its exception propagates unchanged, with no restart.  Raises
+        started (or starting) are cancelled and its exception propagates unchanged, with no
+        restart (with several failing at once, the first to fail).  Raises
         :class:`RestartLimitError` once the restart intensity is exceeded, after cancelling
         every child.  Cancelling ``serve`` cancels every child; nothing outlives it.  Runs once.
         """
@@ -324,8 +330,11 @@ class Supervisor:
         send, receive = trio.open_memory_channel[_Exit](math.inf)
         async with trio.open_nursery() as nursery:
             self._nursery, self._send = nursery, send
-            for slot in self._slots:
-                await self._start(slot, first=True)
+            if self._concurrent_start:
+                await self._start_all()
+            else:
+                for slot in self._slots:
+                    await self._start(slot, first=True)
             task_status.started(self)
             while not all(s.state is ChildState.STOPPED for s in self._slots):
                 exit_ = await receive.receive()
@@ -357,6 +366,24 @@ class Supervisor:
                 self._send.send_nowait(_Exit(slot, run, error))
         finally:
             run.done.set()
+
+    async def _start_all(self) -> None:
+        """The first start of every child at once; the first failure cancels the starts
+        still under way and is raised."""
+        errors: list[Exception] = []
+
+        async def start(slot: _Slot, starters: trio.Nursery) -> None:
+            try:
+                await self._start(slot, first=True)
+            except Exception as exc:
+                errors.append(exc)
+                starters.cancel_scope.cancel()
+
+        async with trio.open_nursery() as starters:
+            for slot in self._slots:
+                starters.start_soon(start, slot, starters)
+        if errors:
+            raise errors[0]
 
     async def _start(self, slot: _Slot, *, first: bool = False) -> None:
         """Start a new incarnation of ``slot``; raises what the child raised before it was

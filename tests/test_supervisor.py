@@ -54,8 +54,10 @@ class FakeChild:
         *,
         start_errors: list[Exception] | None = None,
         crash_after_s: float | None = None,
+        start_s: float = 0.0,
     ) -> None:
         self.name = name
+        self.start_s = start_s  # how long each start takes before it is ready (or fails)
         self.log = [] if log is None else log
         self.start_errors = list(start_errors or [])
         self.crash_after_s = crash_after_s
@@ -89,6 +91,7 @@ class FakeChild:
         self.starts += 1
         n = self.starts
         self.log.append(f"start {self.name}")
+        await trio.sleep(self.start_s)
         if self.start_errors:
             raise self.start_errors.pop(0)
         self._wake, self._error = trio.Event(), None
@@ -221,6 +224,46 @@ async def test_a_failed_first_start_propagates_unchanged_and_is_not_restarted(
     assert (b.starts, c.starts, supervisor.restarts) == (1, 0, 0)
     assert states(supervisor)["b"] is ChildState.FAILED
     assert supervisor.children()[1].last_error == "ValueError: bad config"
+
+
+async def test_a_concurrent_start_starts_every_child_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two children that take 1 s each to start are both ready at 1 s (in order: 1 s and
+    2 s), and the supervisor reports ready then."""
+    for concurrent, ready_at in ((True, [1.0, 1.0]), (False, [1.0, 2.0])):
+        a, b = FakeChild("a", start_s=1.0), FakeChild("b", start_s=1.0)
+        supervisor = Supervisor([a.spec(), b.spec()], concurrent_start=concurrent)
+        with trio.fail_after(CAP_S):
+            async with trio.open_nursery() as nursery:
+                began = trio.current_time()
+                await nursery.start(supervisor.serve)
+                assert trio.current_time() - began == ready_at[-1]
+                assert [t - began for t in (*a.ready_times, *b.ready_times)] == ready_at
+                assert set(states(supervisor).values()) == {ChildState.RUNNING}
+                nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_concurrent_start_cancels_the_others_and_propagates(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One child fails its start at 1 s: the one that started is cancelled, the one still
+    starting (it needs 5 s) is cancelled before it is ready, nothing is restarted, and the
+    error propagates unchanged at 1 s."""
+    error = ValueError("bad config")
+    log: list[str] = []
+    a = FakeChild("a", log)
+    b = FakeChild("b", log, start_errors=[error], start_s=1.0)
+    c = FakeChild("c", log, start_s=5.0)
+    supervisor = Supervisor([a.spec(), b.spec(), c.spec()], concurrent_start=True)
+    with trio.fail_after(CAP_S):
+        with pytest.raises(ValueError) as info:
+            await supervisor.serve()
+    assert info.value is error
+    assert trio.current_time() == 1.0
+    assert sorted(log) == ["cancel a", "start a", "start b", "start c"]
+    assert (a.ready, c.ready, supervisor.restarts) == (1, 0, 0)
+    assert states(supervisor)["b"] is ChildState.FAILED
 
 
 async def test_a_failed_first_start_is_left_to_the_caller_to_report(

@@ -17,22 +17,30 @@ seeds):
 ``dp2``         ``serve --data-parallel 2``: two worker processes, each running its own share
                 of every wave;
 ``stages2``     ``serve --replicas 2 --stage process``: two engines, each in a stage process of
-                its own (its worker a thread there), behind the daemon's router.
+                its own (its worker a thread there), behind the daemon's router;
+``tractor2``    ``serve --backend tractor --replicas 2``: two engines, each in a stage process
+                with one tractor worker process;
+``ray2``        ``serve --backend ray --replicas 2``: two inline engines, each with one Ray
+                worker actor (a local Ray instance the daemon starts).
 
-``--systems`` picks some.  At each ``--concurrency`` (4, 16) every system runs ``--requests``
-(64) requests per round, round after round in turn (limit, inproc, ... limit, inproc ...), so
-a noisy patch of the machine hits them all; ``--warmup`` unmeasured rounds first.  Reported per
+``--systems`` picks some (default: all but ``tractor2`` and ``ray2``).  At each
+``--concurrency`` (4, 16) every system runs ``--requests`` (64) requests per round, round after
+round in turn (limit, inproc, ... limit, inproc ...), so a noisy patch of the machine hits
+them all; ``--warmup`` unmeasured rounds first.  Reported per
 system and concurrency: requests/s (min / median / max over rounds), its ratio to the limit
 (round by round), latency p50 / p90 / p99 over every request, errors.  Once per system, before
 the rounds and alone on the machine: **cold start** (spawn to the first answer) and, after
 the rounds, **memory** (PSS of the whole process tree, from ``/proc/*/smaps_rollup``).
 
-``--kill-probe S`` (``dp2``, ``workers2`` and ``stages2``): at concurrency 4 for S seconds,
-SIGKILL one worker process 1/4 of the way in; reported: requests failed, the first answer after
-the kill, and the longest gap between answers.  Which process is a worker: a descendant of the
-daemon whose command line names tractor's child entry point (``--worker-start-method
-forkserver`` starts them from a fork server, also a descendant), or a stage process (its
-command line names ``omni_trio.runtime.stage_child``).
+``--kill-probe S`` (``dp2``, ``workers2``, ``stages2``, ``tractor2``, ``ray2``): at concurrency
+4 for S seconds, SIGKILL one worker process 1/4 of the way in; reported: requests failed, the
+first answer after the kill, the longest gap between answers, and the longest a request in
+flight at the kill took after it (``in_flight_done_after_kill_s``: a request the dead worker
+held waits for its restart, or moves to a live one).  Which process is a worker: a descendant
+of the daemon whose command line names tractor's child entry point (``--worker-start-method
+forkserver`` starts them from a fork server, also a descendant) or Ray's worker actor
+(``ray::RayWorker``); for ``stages2``, a stage process (its command line names
+``omni_trio.runtime.stage_child``).
 """
 
 from __future__ import annotations
@@ -68,7 +76,9 @@ from .harness import (
 if TYPE_CHECKING:
     import httpx
 
-SYSTEMS = ("limit", "inproc", "replicas2", "workers2", "dp2", "stages2")
+SYSTEMS = ("limit", "inproc", "replicas2", "workers2", "dp2", "stages2", "tractor2", "ray2")
+# What runs without --systems (tractor2 and ray2 on request: the kill probe's replicas).
+DEFAULT_SYSTEMS = SYSTEMS[:6]
 # The daemon flags of each system (beyond model, cache, threads and port).
 SYSTEM_FLAGS: dict[str, tuple[str, ...]] = {
     "inproc": (),
@@ -76,10 +86,12 @@ SYSTEM_FLAGS: dict[str, tuple[str, ...]] = {
     "workers2": ("--backend", "tractor", "--workers", "2"),
     "dp2": ("--data-parallel", "2"),
     "stages2": ("--replicas", "2", "--stage", "process"),
+    "tractor2": ("--backend", "tractor", "--replicas", "2"),
+    "ray2": ("--backend", "ray", "--replicas", "2"),
 }
-KILLABLE = ("dp2", "workers2", "stages2")
+KILLABLE = ("dp2", "workers2", "stages2", "tractor2", "ray2")
 # The systems whose --worker-start-method applies (tractor worker processes).
-TRACTOR_SYSTEMS = ("dp2", "workers2")
+TRACTOR_SYSTEMS = ("dp2", "workers2", "tractor2")
 START_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
 PROMPT = "a red circle"
@@ -95,8 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--systems",
         type=csv_arg,
-        default=SYSTEMS,
-        help=f"comma-separated, from {', '.join(SYSTEMS)}",
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, from {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})",
     )
     parser.add_argument(
         "--concurrency",
@@ -112,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="seconds of the SIGKILL probe on dp2/workers2/stages2 (default 20; quick 0: off)",
+        help="seconds of the SIGKILL probe on the killable systems (default 20; quick 0: off)",
     )
     parser.add_argument(
         "--worker-start-method",
@@ -148,17 +160,22 @@ class Daemon:
         return [self.proc.pid, *descendant_pids(self.proc.pid)]
 
     def worker_pids(self) -> list[int]:
-        """Descendants that are tractor worker processes: started as tractor's child entry
-        point, or forked by a fork server (whose own command line names it); or stage
-        processes (each runs its engine's worker)."""
+        """The processes the kill probe may kill.  ``stages2``: the stage processes (each
+        runs its engine's worker thread).  Otherwise the descendants that are worker
+        processes: tractor's (started as tractor's child entry point, or forked by a fork
+        server, whose own command line names it) or Ray's worker actors."""
         from ..serve.daemon import descendant_pids
 
         found = []
         for pid in descendant_pids(self.proc.pid):
             cmdline = _cmdline(pid)
-            stage = "omni_trio.runtime.stage_child" in cmdline
+            if self.name == "stages2":
+                if "omni_trio.runtime.stage_child" in cmdline:
+                    found.append(pid)
+                continue
             forked = "forkserver" in _cmdline(_parent(pid))
-            if stage or forked or ("tractor" in cmdline and "forkserver" not in cmdline):
+            tractor = "tractor" in cmdline and "forkserver" not in cmdline
+            if forked or tractor or cmdline.startswith("ray::RayWorker"):
                 found.append(pid)
         return found
 
@@ -439,6 +456,7 @@ async def _kill_probe(daemon: Daemon, seconds: float, args: argparse.Namespace) 
     import httpx
 
     answers: list[float] = []
+    spans: list[tuple[float, float]] = []  # (sent, answered) of every answered request
     failed: Counter[str] = Counter()
     killed_at: list[float] = []
     workers = daemon.worker_pids()
@@ -453,6 +471,7 @@ async def _kill_probe(daemon: Daemon, seconds: float, args: argparse.Namespace) 
 
         async def one_client() -> None:
             while time.perf_counter() < deadline:
+                sent = time.perf_counter()
                 try:
                     response = await _post(client, next(seeds), args)
                 except httpx.HTTPError as exc:
@@ -460,6 +479,7 @@ async def _kill_probe(daemon: Daemon, seconds: float, args: argparse.Namespace) 
                     continue
                 if response.status_code == 200:
                     answers.append(time.perf_counter())
+                    spans.append((sent, answers[-1]))
                 else:
                     failed[str(response.status_code)] += 1
 
@@ -476,11 +496,13 @@ async def _kill_probe(daemon: Daemon, seconds: float, args: argparse.Namespace) 
     after = [t for t in answers if t > kill_t]
     times = [started, *sorted(answers)]
     gaps = [b - a for a, b in itertools.pairwise(times)]
+    held = [done - kill_t for sent, done in spans if sent < kill_t < done]
     return {
         "requests_ok": len(answers),
         "requests_failed": dict(failed),
         "first_answer_after_kill_s": (after[0] - kill_t) if after else None,
         "longest_gap_s": max(gaps) if gaps else None,
+        "in_flight_done_after_kill_s": max(held) if held else None,
         "killed_pid": workers[-1],
     }
 
@@ -620,7 +642,8 @@ def _report(
             f"kill probe {name}: {probe.get('requests_ok')} answered, failed "
             f"{probe.get('requests_failed')}, first answer "
             f"{_fmt_s(probe.get('first_answer_after_kill_s'))} after the kill, longest gap "
-            f"{_fmt_s(probe.get('longest_gap_s'))}"
+            f"{_fmt_s(probe.get('longest_gap_s'))}, in flight at the kill done within "
+            f"{_fmt_s(probe.get('in_flight_done_after_kill_s'))}"
         )
 
 

@@ -1,7 +1,9 @@
 """``bench policy``: the scheduling policies side by side under a seeded open-loop trace.
 
 Issue #16's measurement.  One ``builtin:echo`` engine (inproc, step mode, ``--max-num-seqs``
-2, ``--step-delay-ms`` 20 per denoising step, one torch thread, no warmup) behind an
+2, ``--step-delay-ms`` 20 per denoising step, one torch thread, no warmup; with
+``--step-cost pixels`` a step sleeps that x (size / 32)^2, as a real model's step grows with
+its pixel count, which is what the ``fair`` policy's pixels x steps cost assumes) behind an
 in-process :class:`~omni_trio.serve.pool.EnginePool` (the daemon's admission without HTTP:
 :class:`~omni_trio.serve.pool.QueueFullError` is its 429, :class:`~omni_trio.serve.pool.
 QueueWaitError` its 503), a fresh pool for every (policy, load) run.
@@ -76,6 +78,7 @@ DEADLINE_FACTOR = 4.0  # a deadline is this many times its kind's idle latency
 CLASSES = ("high/32", "high/64", "low/32", "low/64")
 SHAPES = tuple((size, steps) for size in SIZES for steps in STEPS)
 DEFAULT_LOADS = (0.7, 1.0, 2.0)
+STEP_COSTS = ("flat", "pixels")
 TARGET_LOAD, AT_CAPACITY, OVERLOAD = 0.7, 1.0, 2.0
 PRIORITY_TARGET = 1.2  # high p95 at 0.7 over its idle p95
 FAIR_TARGET = 2.0  # class p99 at 0.7 over its share-proportional ideal p99
@@ -353,6 +356,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="echo's sleep per denoising step (default 20; --quick: 2)",
     )
+    parser.add_argument(
+        "--step-cost",
+        choices=STEP_COSTS,
+        default="flat",
+        help="flat: every step sleeps --step-delay-ms whatever the size (default); pixels: a "
+        "step sleeps that x (size / 32)^2, as a real model's step grows with its pixels",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=2, help="engine batch (default 2)")
     parser.add_argument(
         "--max-queue-len",
@@ -384,6 +394,7 @@ class _Setup:
     duration_s: float
     seed: int
     step_delay_s: float
+    step_cost: str
     max_num_seqs: int
     max_queue_len: int | None
     capacity_s: float
@@ -414,6 +425,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         duration_s=duration,
         seed=args.seed,
         step_delay_s=delay_ms / 1000.0,
+        step_cost=args.step_cost,
         max_num_seqs=args.max_num_seqs,
         max_queue_len=args.max_queue_len,
         capacity_s=capacity_s,
@@ -424,9 +436,15 @@ def _setup(args: argparse.Namespace) -> _Setup:
     )
 
 
-def _params(kind: Kind, seed: int, deadline_s: float | None = None) -> Any:
+def _params(kind: Kind, seed: int, setup: _Setup, deadline_s: float | None = None) -> Any:
+    """The request of ``kind``; with ``--step-cost pixels`` its echo steps sleep the step
+    delay x (size / smallest size)^2."""
     from .._core.request import SamplingParams
+    from ..models.echo import ECHO_STEP_DELAY_S
 
+    extra = {}
+    if setup.step_cost == "pixels":
+        extra[ECHO_STEP_DELAY_S] = setup.step_delay_s * (kind.size / SIZES[0]) ** 2
     return SamplingParams(
         height=kind.size,
         width=kind.size,
@@ -435,6 +453,7 @@ def _params(kind: Kind, seed: int, deadline_s: float | None = None) -> Any:
         output_type="np",
         priority=kind.priority,
         deadline_s=deadline_s,
+        extra_args=extra,
     )
 
 
@@ -479,7 +498,8 @@ async def _measure_baseline(
             nonlocal counter
             counter += 1
             started = trio.current_time()
-            sub = pool.submit(PROMPT, _params(kind, counter), request_id=f"base-{counter}")
+            params = _params(kind, counter, setup)
+            sub = pool.submit(PROMPT, params, request_id=f"base-{counter}")
             output = await _final(sub)
             output.raise_for_status()
             return trio.current_time() - started
@@ -589,7 +609,7 @@ async def _open_loop(
                 try:
                     sub = pool.submit(
                         PROMPT,
-                        _params(kind, arrival.index, deadline),
+                        _params(kind, arrival.index, setup, deadline),
                         request_id=f"{tag}-{arrival.index}",
                     )
                 except QueueFullError:
@@ -730,6 +750,7 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "duration_s": setup.duration_s,
             "seed": setup.seed,
             "step_delay_ms": setup.step_delay_s * 1000.0,
+            "step_cost": setup.step_cost,
             "max_num_seqs": setup.max_num_seqs,
             "torch_threads": setup.torch_threads,
             "sizes": list(SIZES),

@@ -83,9 +83,15 @@ class RequestStream:
         if consumer_gone and callback is not None:
             callback(self.request_id)
 
+    def close(self) -> None:
+        """Stop consuming now (no checkpoint); aborts the request if its terminal output
+        was not read yet.  A task waiting in :meth:`__anext__` gets ``ClosedResourceError``:
+        close only a stream nobody is reading."""
+        self._finish(consumer_gone=True)
+
     async def aclose(self) -> None:
         """Stop consuming; aborts the request if its terminal output was not read yet."""
-        self._finish(consumer_gone=True)
+        self.close()
 
     async def __aenter__(self) -> RequestStream:
         return self

@@ -28,6 +28,14 @@ worker group is restarting and waits in that engine's queue.  It waits at most
 past it the pool aborts it with :data:`RESTART_WAIT_REASON` (HTTP 503 ``aborted`` +
 ``Retry-After``), unless its own timeout is shorter (then that ends it, 504).
 
+Nothing waits for a restart while another replica is ready: a request whose replica's engine
+died, or which is queued on a replica whose worker group is restarting (it ran in the failed
+forward, or waited behind it), moves to the least-loaded ready replica (same engine id, same
+seed) as long as no chunk of it reached its consumer (:meth:`EnginePool.move_off_restarting`,
+checked every :data:`RESTART_POLL_S` while requests are in flight).  A request moves off a
+restarting replica at most once: one that brings worker groups down cannot take every replica
+down in turn.
+
 Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
 
     QueueFullError    in-flight requests reached max_queue_len (HTTP 429)
@@ -305,16 +313,21 @@ class PooledStream:
         priority: int = 0,
         klass: Hashable = None,
         work: float = 1.0,
+        pixels: int = 1,
     ) -> None:
         self._inner = inner
-        # Its SamplingParams.priority, compatibility class and work (denoising steps x
-        # images): the pool's wait estimate.
+        # Its SamplingParams.priority, compatibility class, work (denoising steps x images)
+        # and pixels per image: the pool's wait estimate.
         self.priority = priority
         self.klass = klass
         self.work = work
+        self.pixels = pixels
         self._move = move
         self._started = False  # a chunk reached the consumer: it can no longer move
-        self.moves = 0  # times it moved to another replica after its own died
+        self.moves = 0  # times it moved to another replica after its own died or restarted
+        # Streams it moved away from while they were still open: closed by the consumer's
+        # next read (a read in progress on one of them sees it was left, and reads on).
+        self._left: list[RequestStream] = []
         self.replica = replica
         self.owner = owner
         self.public_id = inner.request_id if public_id is None else public_id
@@ -345,13 +358,19 @@ class PooledStream:
 
     async def __anext__(self) -> DiffusionOutput:
         """The next chunk; if cancelled, the request is aborted and its slot released.  A
-        request whose replica's engine died before any chunk reached the consumer moves to
-        another ready replica (same id, same seed) when the pool has one, instead of ending
-        with the dead engine's error."""
+        request whose replica's engine died, or whose replica's worker group failed while
+        it waited or ran there, before any chunk reached the consumer moves to another
+        ready replica (same id, same seed) when the pool has one (see
+        :meth:`EnginePool.submit`), instead of ending with the dead engine's error or
+        waiting for the restart."""
         while True:
+            self._close_left()
+            inner = self._inner
             try:
-                output = await self._inner.__anext__()
+                output = await inner.__anext__()
             except EngineDeadError:
+                if self._inner is not inner:
+                    continue  # it moved while this read waited: read the new stream
                 # Refused by an engine that had died (a stage process's, seen late).
                 moved = self._move_after_death()
                 if moved is None:
@@ -360,8 +379,12 @@ class PooledStream:
                 self._inner = moved
                 continue
             except BaseException:
+                if self._inner is not inner:  # it moved while this read waited
+                    self._inner.close()
                 self._release()
                 raise
+            if self._inner is not inner:
+                continue  # the stream it moved from (its abort, a late chunk): not its own
             if output.finished and output.error_type == "EngineDeadError" and not self._started:
                 moved = self._move_after_death()
                 if moved is not None:
@@ -383,9 +406,34 @@ class PooledStream:
             self.moves += 1
         return moved
 
+    def move_off(self, abort: Callable[[str], None]) -> bool:
+        """Move the request, still queued on a replica whose worker group is restarting,
+        to another ready replica now (no checkpoint): admit it there (same id, same seed),
+        read from there, then ``abort(engine request id)`` on the old engine.  Not once a
+        chunk reached the consumer, after an abort, or after a move already (a request
+        that brings a group down moves once: it cannot take every replica down in turn).
+        Whether it moved."""
+        if self._started or self.abort_reason is not None or self._move is None or self.moves:
+            return False
+        old = self._inner
+        moved = self._move(self)
+        if moved is None:
+            return False
+        self.moves += 1
+        self._inner = moved
+        self._left.append(old)
+        abort(old.request_id)
+        return True
+
+    def _close_left(self) -> None:
+        left, self._left = self._left, []
+        for stream in left:
+            stream.close()
+
     async def aclose(self) -> None:
         """Stop consuming: aborts the request if it has not ended; releases its slot."""
         try:
+            self._close_left()
             await self._inner.aclose()
         finally:
             self._release()
@@ -428,6 +476,8 @@ class _Replica:
     last_failure: str | None = None
     # When its engine began opening (trio time), while it opens; None once open.
     opening_since: float | None = None
+    # When the pool first saw its worker group restarting (trio time); None otherwise.
+    restarting_since: float | None = None
 
 
 class _StartedAs:
@@ -558,6 +608,8 @@ class EnginePool:
         self._service = ServiceRate()
         self._arrivals = ArrivalLog()
         self._open_time = OpenTime()
+        # How long a replica's worker group takes to restart (failure seen -> ready again).
+        self._group_restart_time = OpenTime()
         self.restart_policy = restart_policy or RestartPolicy()
         self._trace_factory = trace_factory
         self._replicas = [_Replica(i) for i in range(replicas)]
@@ -577,6 +629,7 @@ class EnginePool:
         # also in _active (released streams leave both).
         self._restart_waits: dict[str, tuple[float, PooledStream]] = {}
         self._restart_wake = trio.Event()  # set when a wait is added
+        self._busy = trio.Event()  # set when a request is admitted (the move check wakes)
         # The level the operator put the pool to sleep at (0: awake); a replica opened
         # meanwhile (a reopen after its engine died) is put to sleep too.
         self.sleep_level = 0
@@ -587,8 +640,9 @@ class EnginePool:
     async def serve(
         self, *, task_status: TaskStatus[EnginePool] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Open every replica in order (warmup included), report ``started(self)`` once all
-        are ready, then supervise them until cancelled.
+        """Open every replica (warmup included; in order, or all at once when each runs in
+        a stage process of its own), report ``started(self)`` once all are ready, then
+        supervise them until cancelled.
 
         A replica that fails its first start raises its error here (a configuration error;
         the replicas already open are closed).  Past the restart limit raises
@@ -607,6 +661,9 @@ class EnginePool:
             policy=self.restart_policy,
             name="engine-pool",
             on_event=self._on_event,
+            # Stage processes import and load on their own cores: opened at once, the pool
+            # is ready in the time of one (in order, of all of them).
+            concurrent_start=self.stage == "process",
         )
         relay = cast(TaskStatus[Any], _StartedAs(task_status, self))
         self._serving = True
@@ -614,6 +671,8 @@ class EnginePool:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_restart_waits)
+                if len(self._replicas) > 1:
+                    nursery.start_soon(self._serve_moves)
                 try:
                     await self._supervisor.serve(task_status=relay)
                 except Exception as exc:  # raised below, unwrapped by the nursery
@@ -746,6 +805,87 @@ class EnginePool:
                 until = min(until for until, _ in self._restart_waits.values())
                 await trio.sleep_until(min(until, now + RESTART_POLL_S))
 
+    async def _serve_moves(self) -> None:
+        """Move the requests queued on a replica whose worker group is restarting to the
+        ready replicas (:meth:`move_off_restarting`), every :data:`RESTART_POLL_S` while
+        requests are in flight.  Runs until cancelled."""
+        while True:
+            if not self._active:
+                self._busy = trio.Event()
+                await self._busy.wait()
+            await trio.sleep(RESTART_POLL_S)
+            self.move_off_restarting()
+
+    def expected_group_restart_s(self) -> float:
+        """How long a worker group takes to restart: the median of the restarts measured
+        (failure seen to ready again), else the engine's restart backoff plus the measured
+        open time of a replica (an upper estimate: it includes the warmup), else
+        :data:`DEFAULT_RETRY_AFTER_S`."""
+        measured = self._group_restart_time.expected_s()
+        if measured is not None:
+            return measured
+        opened = self._open_time.expected_s()
+        if opened is None:
+            return float(DEFAULT_RETRY_AFTER_S)
+        return self.engine_config.worker_restart_backoff_s + opened
+
+    def move_off_restarting(self) -> int:
+        """Move the requests queued (waiting, or put back by the failure) on a replica
+        whose worker group is restarting to the least-loaded ready replica, one by one,
+        while that replica would start each sooner than the restart is expected to be
+        over (:meth:`expected_group_restart_s`, less the time since the failure was seen):
+        its work in flight at its share of the measured rate of work is less than that.
+        The requests the failed group ran are then retried on a live replica at once, and
+        those behind them do not wait for the restart; a restart that is nearly over, or
+        a live replica with a queue longer than it, keeps them.  Only requests no chunk of
+        which reached their consumer yet, each at most once (:meth:`PooledStream.move_off`).
+        Also measures the restarts.  No checkpoint; how many moved."""
+        now = trio.current_time()
+        restarting: dict[int, float] = {}  # replica -> restart time left (s)
+        for replica in self._replicas:
+            engine = replica.engine
+            state = None if engine is None or engine.is_dead else engine.health().state
+            if state is EngineState.RESTARTING:
+                if replica.restarting_since is None:
+                    replica.restarting_since = now
+                    left = self.expected_group_restart_s()
+                else:
+                    left = replica.restarting_since + self.expected_group_restart_s() - now
+                restarting[replica.index] = left
+            elif replica.restarting_since is not None:
+                if state is EngineState.READY:
+                    self._group_restart_time.record(now - replica.restarting_since)
+                replica.restarting_since = None
+        if not restarting or self._dead is not None or self._draining:
+            return 0
+        ready = self._ready_replicas()
+        if not ready:
+            return 0
+        rate = self.work_rate()
+        per_replica = None if rate is None or rate <= 0 else rate / self.replicas
+        # The work in flight on each ready replica (grows as requests move there).
+        queued = {r.index: 0.0 for r in ready}
+        for stream in self._active.values():
+            if stream.replica in queued:
+                queued[stream.replica] += self._work_left(stream)
+        moved = 0
+        for stream in list(self._active.values()):
+            engine = self._replicas[stream.replica].engine
+            if stream.replica not in restarting or engine is None:
+                continue
+            restart_left = restarting[stream.replica]
+            target = min(ready, key=lambda r: (r.in_flight, r.index))  # as _move_elsewhere
+            if per_replica is not None and queued[target.index] / per_replica >= restart_left:
+                continue  # the restart is expected first
+            status = engine.status(stream.engine_request_id)
+            if status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and stream.move_off(
+                engine.abort
+            ):
+                self._restart_waits.pop(stream.engine_request_id, None)
+                queued[stream.replica] += stream.work
+                moved += 1
+        return moved
+
     def _on_event(self, event: SupervisorEvent) -> None:
         if event.kind == "failed" and event.error is not None:
             index = int(event.child.rsplit("-", 1)[1])
@@ -832,6 +972,7 @@ class EnginePool:
             priority=params.priority,
             klass=klass,
             work=request_work(params),
+            pixels=self._pixels_of(params),
         )
         self._active[rid] = stream
         self._arrivals.record(trio.current_time(), params.priority, klass, stream.work)
@@ -845,6 +986,7 @@ class EnginePool:
             self._restart_wake.set()
         self._finished.pop((owner, public), None)
         replica.in_flight += 1
+        self._busy.set()
         if self._idle.is_set():
             self._idle = trio.Event()
         return Submission(public, replica.index, stream, inner.seed)
@@ -986,9 +1128,12 @@ class EnginePool:
         :data:`MAX_PASSING_SHARE`; the waiting time of a low class under a high one).
 
         ``fair``: it waits for the work left in its own class and, from every other
-        class, at most as much as that plus its own (the classes take turns); while some
-        wait, later arrivals of other classes take turns too, but its class gets at least
-        its turn among the classes in flight: it waits at most ``classes x own / rate``.
+        class, at most what the classes' turns give that class meanwhile: the scheduler
+        deals turns of equal cost (pixels x steps), so for each of its own steps a class
+        of ``p`` pixels per image gets ``own pixels / p`` steps; while some wait, later
+        arrivals of other classes take turns too, but its class gets at least its turn
+        among the classes in flight (its cost-weighted share of the steps,
+        ``(1 / own pixels) / sum(1 / p)``), which bounds its wait.
 
         The rate is a measured throughput, not a capacity: on a pool that keeps up,
         nothing waits and no share is taken out."""
@@ -996,23 +1141,26 @@ class EnginePool:
         now = trio.current_time()
         own_work = request_work(params)
         if policy == "fair":
+            own_px = self._pixels_of(params)
             own = 0.0
-            others: dict[Hashable, float] = {}
+            others: dict[Hashable, list[float]] = {}  # class -> [work left, pixels]
             for stream in self._active.values():
                 left = self._work_left(stream)
                 if stream.klass == klass:
                     own += left
                 else:
-                    others[stream.klass] = others.get(stream.klass, 0.0) + left
-            ahead = own + sum(min(work, own + own_work) for work in others.values())
+                    others.setdefault(stream.klass, [0.0, stream.pixels])[0] += left
+            turns = own + own_work
+            ahead = own + sum(min(work, turns * own_px / px) for work, px in others.values())
             rho = 0.0
             if self._any_waiting():
                 rho = self._arrivals.rate(now, lambda _, c: c != klass) / work_rate
             # (Its class gets at least its turn among the classes in flight.)
-            share = max(1 - min(rho, MAX_PASSING_SHARE), 1 / (len(others) + 1))
+            own_share = (1 / own_px) / (1 / own_px + sum(1 / px for _, px in others.values()))
+            share = max(1 - min(rho, MAX_PASSING_SHARE), own_share)
             run = self._run_s(own_work, work_rate)
             wait = ahead / (work_rate * share)
-            share_bound = (len(others) + 1) * own / work_rate
+            share_bound = own / (work_rate * own_share)
             return min(wait, share_bound), run / share
         if policy == "priority":
             ahead_streams, waiting = self._ahead_of(params)
@@ -1025,6 +1173,19 @@ class EnginePool:
             return ahead / (work_rate * share), self._run_s(own_work, work_rate) / share
         left = sum(map(self._work_left, self._active.values()))
         return left / work_rate, self._run_s(own_work, work_rate)
+
+    def _pixels_of(self, params: SamplingParams) -> int:
+        """Pixels per image of a request (the model's default size where it leaves it
+        unset; 1 where that is not known yet): what the ``fair`` scheduler weighs its
+        steps by."""
+        height, width = params.height, params.width
+        if height is None or width is None:
+            default = self.default_size()
+            if default is None:
+                return 1
+            width = width if width is not None else default[0]
+            height = height if height is not None else default[1]
+        return max(1, int(height) * int(width))
 
     def _any_waiting(self) -> bool:
         """Whether some request in flight still waits in its engine's queue (O(n))."""
@@ -1067,9 +1228,10 @@ class EnginePool:
     def _move_elsewhere(
         self, prompt: str, params: SamplingParams, stream: PooledStream
     ) -> RequestStream | None:
-        """``stream``'s replica died under it: admit it again (same engine id, same seed) on
-        the least-loaded other ready replica; None when there is none (it then ends with
-        the dead engine's error) or the pool no longer admits."""
+        """``stream``'s replica died under it, or its worker group is restarting: admit it
+        again (same engine id, same seed) on the least-loaded other ready replica; None when
+        there is none (it then ends with the dead engine's error, or waits for the restart)
+        or the pool no longer admits."""
         if self._dead is not None or self._draining:
             return None
         rid = stream.engine_request_id
@@ -1088,10 +1250,12 @@ class EnginePool:
             inner = replica.engine.stream(prompt, params, request_id=rid)
         except OmniTrioError:
             return None
+        old = self._replicas[stream.replica].engine
         log.warning(
-            "request %s: replica %d died under it; moved to replica %d",
+            "request %s: %s; moved to replica %d",
             stream.public_id,
-            stream.replica,
+            f"replica {stream.replica} "
+            + ("died under it" if old is None or old.is_dead else "is restarting its workers"),
             replica.index,
         )
         self._replicas[stream.replica].in_flight -= 1

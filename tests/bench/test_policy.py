@@ -248,3 +248,19 @@ def test_a_quick_run_gives_a_complete_report(tmp_path: Path) -> None:
     with Image.open(plot) as image:
         assert image.format == "PNG"
         assert image.size[0] > image.size[1] > 100
+
+
+def test_with_pixel_step_cost_a_larger_picture_takes_longer(tmp_path: Path) -> None:
+    """``--step-cost pixels``: echo's steps sleep the delay x (size / 32)^2, as a real
+    model's grow with the pixel count, so a 64-px request's idle latency is well over a
+    32-px one's (4x the sleep; the default flat cost makes them equal)."""
+    target = tmp_path / "policy.json"
+    full = ["bench", "policy", "--quick", "--no-progress", "--step-cost", "pixels"]
+    full += ["--policies", "fair", "--loads", "0.7", "--json", str(target)]
+    lines: list[str] = []
+    code = run_bench(_parser().parse_args(full), argv=["omni-trio", *full], out=lines.append)
+    assert code == 0, "\n".join(lines)
+    data = json.loads(target.read_text())
+    assert data["params"]["step_cost"] == "pixels"
+    idle = data["results"]["idle_ms"]
+    assert idle["64px x 16 steps"] > 1.5 * idle["32px x 16 steps"], idle

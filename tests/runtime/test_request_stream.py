@@ -117,6 +117,26 @@ async def test_aclose_before_the_terminal_output_aborts_once() -> None:
         h.send.send_nowait(TERMINAL)
 
 
+def test_close_is_synchronous_aborts_once_and_ends_the_stream() -> None:
+    h = Harness()
+    h.send.send_nowait(chunk(0))
+    h.stream.close()
+    h.stream.close()
+    assert h.gone == ["r"]
+    with pytest.raises(trio.BrokenResourceError):
+        h.send.send_nowait(TERMINAL)
+    finished = Harness()
+    finished.send.send_nowait(TERMINAL)
+
+    async def read_all() -> None:
+        async for _ in finished.stream:
+            pass
+
+    trio.run(read_all)
+    finished.stream.close()
+    assert finished.gone == []
+
+
 async def test_aclose_after_the_terminal_output_does_not_abort() -> None:
     h = Harness()
     h.send.send_nowait(TERMINAL)

@@ -557,6 +557,39 @@ async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
                     await final_of(submission)
 
 
+async def test_under_fair_a_class_of_larger_pictures_gets_fewer_steps_per_turn() -> None:
+    """The ``fair`` scheduler deals turns of equal cost (pixels x steps), so a 64-px class
+    gets a quarter of the steps a 32-px class gets while both wait: with one long 64-px and
+    two long 32-px requests in flight, a short 64-px request waits for all of the 32-px
+    work (four 32-px steps per step of its own class), a short 32-px one for only a
+    quarter of the 64-px work.  One deadline between the two estimates admits the 32-px
+    request and refuses the 64-px one.  (Step mode: a class is a size, whatever the steps.)"""
+    small = SamplingParams(height=32, width=32, num_inference_steps=2)
+    large = SamplingParams(height=64, width=64, num_inference_steps=2)
+    config = echo_config(scheduling_policy="fair", step_execution=True)
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(config, max_queue_len=16)) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            long_32 = LONG.replace(height=32, width=32)
+            held = [
+                pool.submit("p", LONG, request_id="big64"),
+                pool.submit("p", long_32, request_id="big32a"),
+                pool.submit("p", long_32, request_id="big32b"),
+            ]
+            work_rate = pool.work_rate()
+            assert work_rate is not None
+            # 64-px: its own 200 steps + all 400 32-px steps (>= 600 steps of work);
+            # 32-px: its own 400 + a quarter of the 64-px work (<= ~510 with its run).
+            deadline = 560 / work_rate
+            ours = pool.submit("p", small.replace(deadline_s=deadline), request_id="s32")
+            with pytest.raises(QueueWaitError):
+                pool.submit("p", large.replace(deadline_s=deadline), request_id="s64")
+            for submission in [*held, ours]:
+                pool.abort(submission.request_id)
+                await final_of(submission)
+
+
 def test_the_open_time_is_the_median_of_the_last_opens() -> None:
     times = OpenTime(window=4)
     assert times.expected_s() is None
@@ -702,6 +735,129 @@ async def test_a_restart_within_restart_wait_s_serves_the_waiting_request(
             assert sub.stream.abort_reason is None
             assert 3.0 <= trio.current_time() - admitted < 5.0
             assert not pool._restart_waits
+
+
+async def test_requests_queued_on_a_restarting_replica_move_to_a_ready_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Replica 0's group fails with two requests on it (one in the failed forward, one
+    waiting behind it) and stays down (a 1000 s backoff): both move to replica 1 within one
+    poll and complete there, each moved once; the request already on replica 1 stays."""
+    config = scripted_config(backoff_s=1000.0).replace(max_num_seqs=1)
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(config, replicas=2)
+        async with serving(pool):
+            first = pool.submit("a", SHORT, request_id="first")
+            bystander = pool.submit("b", SHORT, request_id="bystander")
+            behind = pool.submit("c", SHORT, request_id="behind")
+            assert (first.replica, bystander.replica, behind.replica) == (0, 1, 0)
+            engine0 = pool.replica_engine(0)
+            assert engine0 is not None
+            assert engine0.status(engine_request_id("behind")) is RequestStatus.WAITING
+            await fail_the_group(pool)
+            failed_at = trio.current_time()
+            outs = {}
+            for sub in (first, behind, bystander):
+                outs[sub.request_id] = await final_of(sub)
+            assert all(o.status is RequestStatus.FINISHED_COMPLETED for o in outs.values())
+            assert trio.current_time() - failed_at <= 2 * pool_module.RESTART_POLL_S
+            assert [(s.stream.moves, s.stream.replica) for s in (first, behind, bystander)] == [
+                (1, 1),
+                (1, 1),
+                (0, 1),
+            ]
+            # The old engine holds nothing of them; the replica's slots moved with them.
+            assert engine0.status("first") is None and engine0.status("behind") is None
+            assert [r["in_flight"] for r in pool.replicas_info()] == [0, 0]
+            assert pool.in_flight == 0 and pool.move_off_restarting() == 0
+
+
+async def test_a_moved_request_does_not_move_again_nor_once_started(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request moves off a restarting replica at most once (one that brings groups down
+    cannot take every replica down in turn), and never once a chunk reached its consumer;
+    with no ready replica nothing moves."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=1000.0), replicas=2)
+        async with serving(pool):
+            sub = pool.submit("a", SHORT, request_id="r")
+            assert sub.replica == 0
+            await fail_the_group(pool)
+            assert pool.move_off_restarting() == 1
+            assert (sub.stream.moves, sub.stream.replica) == (1, 1)
+            # Replica 1 fails too: none is ready, and the request moved once already.
+            engine1 = pool.replica_engine(1)
+            assert engine1 is not None
+            engine1.executor.fail(WorkerError("killed by the test", worker=0))
+            while engine1.health().state != "restarting":  # noqa: ASYNC110 - virtual time
+                await trio.sleep(0.001)
+            assert pool.move_off_restarting() == 0
+            assert sub.stream.move_off(engine1.abort) is False
+            await sub.stream.aclose()
+            assert pool.in_flight == 0
+
+
+async def test_a_restart_expected_before_the_live_replica_could_run_it_keeps_the_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request moves only when the live replica would start it sooner than its own
+    replica's restart is expected to be over: behind a queue of 30 requests on replica 1
+    (seconds of work at the measured rate) and with a 0.5 s restart, the request waits for
+    its own replica and completes there; the restart is measured."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=0.5), replicas=2, max_queue_len=64)
+        async with serving(pool):
+            for index in (0, 1):
+                engine = pool.replica_engine(index)
+                assert engine is not None
+                engine.executor.forward_s = 0.05
+            for index in range(8):
+                await final_of(pool.submit("w", SHORT, request_id=f"warm{index}"))
+            assert pool.work_rate() is not None
+            assert pool.expected_group_restart_s() == pytest.approx(0.5, abs=0.1)
+            # A failure right after completions restarts at once (a group that was serving);
+            # the next one, with nothing completed since, waits for the 0.5 s backoff.
+            engine0 = pool.replica_engine(0)
+            assert engine0 is not None
+            await fail_the_group(pool)
+            await wait_until(lambda: engine0.health().healthy)
+            mine = pool.submit("x", SHORT, request_id="mine")
+            assert mine.replica == 0
+            await fail_the_group(pool)
+            queue = [pool.submit("q", SHORT, request_id=f"q{i}") for i in range(30)]
+            assert {sub.replica for sub in queue} == {1}
+            out = await final_of(mine)
+            assert out.status is RequestStatus.FINISHED_COMPLETED
+            assert (mine.stream.moves, mine.stream.replica) == (0, 0)
+            for sub in queue:
+                await final_of(sub)
+            assert pool.expected_group_restart_s() == pytest.approx(0.5, abs=0.2)
+
+
+async def test_a_request_queued_on_a_replica_whose_workers_restart_completes_elsewhere() -> None:
+    """Real echo engines (worker threads): replica 0's group fails under a running request
+    and restarts only after 30 s; the request completes on replica 1 long before, with its
+    own id and seed (the echo image says so)."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(
+            echo_config(worker_restart_backoff_s=30.0, worker_restart_backoff_max_s=30.0),
+            replicas=2,
+        )
+        async with serving(pool):
+            victim = pool.submit("a", LONG.replace(seed=11), request_id="victim")
+            assert victim.replica == 0
+            engine0 = pool.replica_engine(0)
+            assert engine0 is not None
+            await wait_until(lambda: engine0.statistics().running == 1)
+            engine0.executor.fail(WorkerError("killed by the test", worker=0))
+            failed_at = trio.current_time()
+            out = await final_of(victim)
+            assert out.status is RequestStatus.FINISHED_COMPLETED, out
+            assert (victim.stream.moves, victim.stream.replica) == (1, 1)
+            assert decode_echo_image(out.images[0]) == ("victim", 11, 0)
+            assert trio.current_time() - failed_at < 20.0  # not after the 30 s restart
+            assert engine0.health().state == "restarting"
 
 
 async def test_restart_wait_none_leaves_only_the_requests_own_timeout(
