@@ -551,51 +551,67 @@ class TractorTransport(Transport):
         """A spawned worker's life: open its context (it loads the model and answers
         ``started``), report the rank started (``ready``), then deliver what it sends until
         its stream ends."""
-        from ..ipc import decode
         from ..worker.tractor_actor import serve_worker
 
         rank = init.rank
-        async with (
-            portal.open_context(
-                serve_worker,
-                config=dict(init.config),
-                rank=rank,
-                world_size=init.world_size,
-                dist_init_method=init.dist_init_method,
-                shm_tag=self.shm_tag(rank),
-                # Under forkserver the worker's OS parent is the fork server: say who the
-                # engine is, so the worker ends when this process dies.
-                engine_pid=os.getpid(),
-                data_parallel_size=init.data_parallel_size,
-            ) as (ctx, started),
-            ctx.open_stream() as stream,
-        ):
-            send, receive = trio.open_memory_channel[bytes](math.inf)
-            pid = int(started["pid"])
-            link = _WorkerLink(rank, pid, send)
-            link.process = self._find_process(pid)
-            if isinstance(link.process, multiprocessing.process.BaseProcess):
-                link.fork_server = _forkserver_pid()
-            self._links[rank] = link
-            ready.set()  # from here on the executor's exit watch reports a death
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write_link, stream, receive)
-                    task_status.started(RankStarted(pid, started["model_info"]))
-                    async for raw in stream:
-                        deliver(decode(raw))
-                    nursery.cancel_scope.cancel()
-            finally:
-                if link.killed:
-                    # tractor would ask the dead worker to cancel its context and wait 0.5 s
-                    # for an answer that cannot come; a closed channel skips it.  Close it
-                    # only once tractor's own handler of the channel has seen the EOF and
-                    # let go of it: closing under that handler's final send raises
-                    # ClosedResourceError out of tractor's root nursery.
-                    with trio.CancelScope(shield=True), trio.move_on_after(KILL_WAIT_S):
-                        await _wait_exited(pid)
-                        await _wait_released(portal.channel)
-                        await portal.channel.aclose()
+        async with portal.open_context(
+            serve_worker,
+            config=dict(init.config),
+            rank=rank,
+            world_size=init.world_size,
+            dist_init_method=init.dist_init_method,
+            shm_tag=self.shm_tag(rank),
+            # Under forkserver the worker's OS parent is the fork server: say who the
+            # engine is, so the worker ends when this process dies.
+            engine_pid=os.getpid(),
+            data_parallel_size=init.data_parallel_size,
+        ) as (ctx, started):
+            refused = started.get("refused")
+            if refused is not None:  # the worker refused the configuration, and ended
+                raise InvalidConfigError(str(refused["message"]), field=refused.get("field"))
+            async with ctx.open_stream() as stream:
+                await self._serve_stream(rank, portal, stream, started, deliver, task_status, ready)
+
+    async def _serve_stream(
+        self,
+        rank: int,
+        portal: Any,
+        stream: Any,
+        started: dict[str, Any],
+        deliver: Deliver,
+        task_status: RankStatus,
+        ready: trio.Event,
+    ) -> None:
+        """A started worker's stream: report the rank started, then deliver what it sends
+        until the stream ends."""
+        from ..ipc import decode
+
+        send, receive = trio.open_memory_channel[bytes](math.inf)
+        pid = int(started["pid"])
+        link = _WorkerLink(rank, pid, send)
+        link.process = self._find_process(pid)
+        if isinstance(link.process, multiprocessing.process.BaseProcess):
+            link.fork_server = _forkserver_pid()
+        self._links[rank] = link
+        ready.set()  # from here on the executor's exit watch reports a death
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_link, stream, receive)
+                task_status.started(RankStarted(pid, started["model_info"]))
+                async for raw in stream:
+                    deliver(decode(raw))
+                nursery.cancel_scope.cancel()
+        finally:
+            if link.killed:
+                # tractor would ask the dead worker to cancel its context and wait 0.5 s
+                # for an answer that cannot come; a closed channel skips it.  Close it
+                # only once tractor's own handler of the channel has seen the EOF and
+                # let go of it: closing under that handler's final send raises
+                # ClosedResourceError out of tractor's root nursery.
+                with trio.CancelScope(shield=True), trio.move_on_after(KILL_WAIT_S):
+                    await _wait_exited(pid)
+                    await _wait_released(portal.channel)
+                    await portal.channel.aclose()
 
     @staticmethod
     def _box_remote(rank: int, exc: Any) -> Exception:

@@ -176,6 +176,7 @@ async def serve_worker(
     """
     from .._core.messages import AsyncOutput, WorkerAbort, WorkerCall
     from ..config import EngineConfig
+    from ..errors import InvalidConfigError
     from ..ipc import Encoder, SegmentRegistry, decode, discard_message
     from .host import HEARTBEAT_CHECK_S, WorkerHost
     from .worker import Worker
@@ -221,7 +222,13 @@ async def serve_worker(
     )
     host = WorkerHost(worker, post_output)
     try:
-        info = await thread.run(host.start)
+        try:
+            info = await thread.run(host.start)
+        except InvalidConfigError as exc:
+            # Refused: say so in the handshake, with the field (a remote error would carry
+            # only its text), and end.
+            await ctx.started({"refused": {"message": str(exc), "field": exc.field}})
+            return
         await ctx.started({"pid": os.getpid(), "model_info": info.to_dict()})
 
         async def write(stream: Any) -> None:

@@ -548,9 +548,13 @@ async def test_a_model_that_fails_to_load_in_the_worker_raises_invalid_config(
     cache_dir: Path,
 ) -> None:
     with trio.fail_after(CAP_S):
-        with pytest.raises(InvalidConfigError, match="unknown built-in model 'builtin:nope'"):
+        with pytest.raises(
+            InvalidConfigError, match="unknown built-in model 'builtin:nope'"
+        ) as info:
             async with engine_on("tractor", cache_dir, model="builtin:nope", num_workers=2):
                 pytest.fail("the engine must not start")  # pragma: no cover
+    # The worker's refusal keeps the field it names (it comes in the handshake).
+    assert info.value.field == "model"
     # The autouse check: no worker process is left.
 
 
