@@ -198,8 +198,10 @@ class EngineConfig:
     across the ranks, results mapped back by request id); one engine, one scheduler.  It
     implies ``num_workers`` (left at 1, it becomes ``data_parallel_size``; set, it must be
     equal) and needs a process backend (``"auto"`` chooses tractor).  Each rank runs the
-    whole model: ``cfg_parallel`` does not apply (CFG-parallel data-parallel ranks are not
-    built yet).
+    whole model, unless ``num_workers`` is twice ``data_parallel_size`` with
+    ``cfg_parallel``: then each data-parallel rank is a CFG-parallel *pair* of workers
+    (ranks ``2g`` and ``2g + 1`` run replica group ``g``'s requests together, splitting every
+    guidance step; ``num_workers = data_parallel_size x 2``).
 
     Cross-field rules are checked here too, not first when the engine opens: the inproc
     backend runs exactly one worker, and ``cfg_parallel`` uses at most two.  ``device`` must
@@ -462,11 +464,13 @@ class EngineConfig:
                     "backend unset)",
                     field="data_parallel_size",
                 )
+            if workers == 2 * dp and self.cfg_parallel:
+                return  # dp CFG-parallel pairs
             if workers != dp:
                 raise InvalidConfigError(
                     f"data_parallel_size={dp} runs one worker per rank, so num_workers must be "
-                    f"{dp} (or left unset), not {workers}; CFG-parallel data-parallel ranks "
-                    "are not built yet",
+                    f"{dp} (or left unset), or {2 * dp} with cfg_parallel (a CFG-parallel pair "
+                    f"per rank), not {workers}",
                     field="num_workers",
                 )
             return  # every rank runs the whole model: cfg_parallel does not apply

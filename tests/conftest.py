@@ -116,7 +116,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
     """A local Ray for the ``ray`` backend's tests, started once, by the first test that
-    needs it, and stopped at the end: 2 CPUs, no dashboard, its own short temp dir (Ray's
+    needs it, and stopped at the end: 4 (logical) CPUs, no dashboard, its own short temp dir (Ray's
     socket paths must fit in 107 bytes), every address on loopback.  Yields the ``ray``
     module; engines reuse this initialised Ray."""
     from omni_trio.errors import InvalidConfigError
@@ -129,7 +129,7 @@ def ray_cluster() -> Iterator[Any]:
     temp_dir = tempfile.mkdtemp(prefix="omni-ray-", dir="/tmp")
     before = set(threading.enumerate())
     ray.init(
-        num_cpus=2,
+        num_cpus=4,  # logical: a data-parallel pair of CFG-parallel pairs places 4 workers
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         _temp_dir=temp_dir,

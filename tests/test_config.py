@@ -109,6 +109,18 @@ def test_cross_field_rules_accept_what_the_workers_can_run() -> None:
     assert EngineConfig(backend=_CustomExecutor, num_workers=2).num_workers == 2
 
 
+def test_data_parallel_ranks_may_be_cfg_parallel_pairs() -> None:
+    """``num_workers = 2 x data_parallel_size`` with ``cfg_parallel``: a CFG pair per rank;
+    the same count without ``cfg_parallel``, or any other count, is refused."""
+    pairs = EngineConfig(data_parallel_size=2, num_workers=4, cfg_parallel=True)
+    assert (pairs.num_workers, pairs.backend) == (4, "tractor")
+    assert pairs.core_config().max_num_seqs == 2  # capacity: per rank (pair), not per worker
+    for workers, cfg in ((4, False), (3, True), (6, True)):
+        with pytest.raises(InvalidConfigError, match="or 4 with cfg_parallel") as info:
+            EngineConfig(data_parallel_size=2, num_workers=workers, cfg_parallel=cfg)
+        assert info.value.field == "num_workers"
+
+
 def test_data_parallel_implies_its_workers_and_a_process_backend() -> None:
     config = EngineConfig(data_parallel_size=3, max_num_seqs=2)
     assert (config.num_workers, config.backend) == (3, "tractor")
@@ -142,7 +154,11 @@ def test_data_parallel_implies_its_workers_and_a_process_backend() -> None:
     ("fields", "field", "message"),
     [
         ({"data_parallel_size": 2, "backend": "inproc"}, "data_parallel_size", "inproc backend"),
-        ({"data_parallel_size": 2, "num_workers": 4}, "num_workers", "num_workers must be 2"),
+        (
+            {"data_parallel_size": 2, "num_workers": 4, "cfg_parallel": False},
+            "num_workers",
+            "num_workers must be 2",
+        ),
         ({"data_parallel_size": 2, "num_workers": 3}, "num_workers", "not 3"),
         ({"data_parallel_size": 0}, "data_parallel_size", "positive integer"),
         ({"data_parallel_size": True}, "data_parallel_size", "positive integer"),

@@ -205,9 +205,10 @@ class Transport(abc.ABC):
         (a signal, the cluster going away).  On exit nothing of the group may be left; the
         executor has stopped or killed every rank before."""
 
-    async def rendezvous(self) -> str:
+    async def rendezvous(self, leader: int = 0) -> str:
         """The torch.distributed rendezvous of a CFG-parallel group (``tcp://host:port``,
-        the same for every rank): by default a free port on loopback."""
+        the same for every rank of the group) whose first rank is ``leader`` (data-parallel
+        CFG pairs: one group per pair): by default a free port on loopback."""
         import socket
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -295,6 +296,9 @@ class GroupExecutor(Executor):
             if config.data_parallel_size > 1
             else None
         )
+        # Ranks per data-parallel replica group: 1, or 2 (a CFG-parallel pair: ranks 2g and
+        # 2g + 1 run group g's share together; the first ships the results).
+        self._group_size = max(1, config.num_workers // max(1, config.data_parallel_size))
         self._output_ranks: dict[str, int] = {}
 
     @abc.abstractmethod
@@ -342,9 +346,14 @@ class GroupExecutor(Executor):
         budget = config.worker_start_timeout_s
         try:
             with trio.fail_after(budget):
-                dist = None
-                if config.num_workers > 1 and config.cfg_parallel and self._dp is None:
-                    dist = await self.transport.rendezvous()
+                # One rendezvous per CFG-parallel group (the whole group, or each pair).
+                dist: dict[int, str | None] = dict.fromkeys(range(config.num_workers))
+                size = self._group_size if self._dp is not None else config.num_workers
+                if size > 1 and config.cfg_parallel:
+                    for leader in range(0, config.num_workers, size):
+                        address = await self.transport.rendezvous(leader)
+                        for rank in range(leader, leader + size):
+                            dist[rank] = address
                 await self._start_ranks(ranks, dist)
         except trio.TooSlowError:
             pending = sorted(r for r, s in self._ranks.items() if s.started is None)
@@ -354,14 +363,14 @@ class GroupExecutor(Executor):
                 f"(worker_start_timeout_s; not ready: rank(s) {pending or 'all'})",
             ) from None
 
-    async def _start_ranks(self, ranks: trio.Nursery, dist: str | None) -> None:
+    async def _start_ranks(self, ranks: trio.Nursery, dist: Mapping[int, str | None]) -> None:
         n = self.config.num_workers
         wire = wire_config(self.config)
         errors: list[BaseException] = []
 
         async def start(rank: int, starters: trio.Nursery) -> None:
             try:
-                init = RankInit(rank, n, wire, dist, self.config.data_parallel_size)
+                init = RankInit(rank, n, wire, dist[rank], self.config.data_parallel_size)
                 started = await ranks.start(self._serve_rank, init)
                 self._ranks[rank].started = started
             except Exception as exc:
@@ -557,6 +566,7 @@ class GroupExecutor(Executor):
         abort_ids: Sequence[str] = (),
         with_rpc_id: bool = False,
         per_rank: Mapping[int, tuple[Any, ...]] | None = None,
+        reply_ranks: Mapping[int, int | None] | None = None,
     ) -> dict[int, AsyncOutput]:
         """Send one call to every rank; every rank's reply, each read by its pump.  A rank's
         error becomes one :class:`WorkerError` naming every failed rank (a ``fatal`` one, a
@@ -567,7 +577,8 @@ class GroupExecutor(Executor):
         ``with_rpc_id`` passes the call's id to the method (``rpc_id=``).  A call the
         transport cannot send to the first rank (its codec cannot carry an argument) raises
         :class:`PayloadError`: nothing was sent, the group is fine.  ``per_rank`` (data
-        parallel): only those ranks are called, each with its own ``args``."""
+        parallel): only those ranks are called, each with its own ``args``; ``reply_ranks``
+        (data-parallel CFG pairs): each rank's own ``reply_rank``."""
         self._check_usable()
         rpc_id = f"{self._tag}-{next(self._ids)}"
         ranks = sorted(self._ranks) if per_rank is None else sorted(per_rank)
@@ -581,7 +592,7 @@ class GroupExecutor(Executor):
                 method,
                 tuple(args if per_rank is None else per_rank[rank]),
                 call_kwargs,
-                reply_rank,
+                reply_rank if reply_ranks is None else reply_ranks[rank],
             )
             for rank in ranks
         }
@@ -735,13 +746,24 @@ class GroupExecutor(Executor):
         shares = router.split(scheduler_output)
         if not shares:
             return BatchRunnerOutput()
+        size = self._group_size
+        # Each group's share goes to every rank of the group; its first rank ships the
+        # results (a CFG pair's second rank answers with none).
+        per_rank = {
+            leader * size + member: (share,)
+            for leader, share in shares.items()
+            for member in range(size)
+        }
         try:
             replies = await self._call(
                 method,
-                reply_rank=None,  # every rank ships its own share's results
+                reply_rank=None,  # every group ships its own share's results
                 abort_ids=scheduler_output.scheduled_request_ids,
                 with_rpc_id=method == "execute_scheduler_output",
-                per_rank={rank: (share,) for rank, share in shares.items()},
+                per_rank=per_rank,
+                reply_ranks=(
+                    None if size == 1 else {rank: rank - rank % size for rank in per_rank}
+                ),
             )
         except (trio.Cancelled, EngineClosedError, PayloadError):
             router.redeliver(shares)
@@ -750,8 +772,9 @@ class GroupExecutor(Executor):
             self._fail_group(exc)
             raise EngineDeadError(f"worker group failed: {exc}") from exc
         merged: dict[str, RunnerOutput] = {}
-        for rank in sorted(replies):
-            reply, share = replies[rank], shares[rank]
+        for group in sorted(shares):
+            rank = group * size  # the group's output rank
+            reply, share = replies[rank], shares[group]
             result = reply.result
             expected = set(share.scheduled_request_ids)
             if not isinstance(result, BatchRunnerOutput) or set(result.request_ids) - expected:
@@ -835,8 +858,10 @@ class GroupExecutor(Executor):
             holder = self._dp.holder(rid)
             if holder is not None:
                 by_rank.setdefault(holder, []).append(rid)
-        for holder, owned in by_rank.items():
-            self.transport.send(holder, WorkerAbort(tuple(owned)))
+        size = self._group_size
+        for holder, owned in by_rank.items():  # every rank of the holding group
+            for rank in range(holder * size, holder * size + size):
+                self.transport.send(rank, WorkerAbort(tuple(owned)))
 
     # -- introspection ------------------------------------------------------------------
 

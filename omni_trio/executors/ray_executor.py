@@ -371,12 +371,12 @@ class RayTransport(Transport):
                     log.exception("could not remove placement group")
                 self.owns_placement_group = False
 
-    async def rendezvous(self) -> str:
-        """torch.distributed meets on the rank-0 actor's host."""
+    async def rendezvous(self, leader: int = 0) -> str:
+        """torch.distributed meets on the host of the group's first actor (``leader``)."""
         try:
-            address = await self._await_ref(self._links[0].actor.rendezvous_address.remote())
+            address = await self._await_ref(self._links[leader].actor.rendezvous_address.remote())
         except Exception as exc:
-            raise self._boxed(0, exc, "the CFG rendezvous") from None
+            raise self._boxed(leader, exc, "the CFG rendezvous") from None
         return str(address)
 
     @staticmethod

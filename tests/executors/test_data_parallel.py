@@ -246,3 +246,61 @@ async def test_a_mixed_queue_runs_every_class_and_ranks_answer_for_their_share_o
                 assert p.seed is not None
                 assert_own(finals[rid], rid, p.seed)
             await assert_nothing_left(engine)
+
+
+@pytest.mark.parametrize(
+    ("pair_backend", "step_execution"),
+    [("tractor", False), ("tractor", True), ("ray", False)],
+    ids=["tractor-request", "tractor-step", "ray-request"],
+)
+async def test_cfg_parallel_pairs_split_guidance_within_each_data_parallel_rank(
+    cache_dir: Path, request: pytest.FixtureRequest, pair_backend: str, step_execution: bool
+) -> None:
+    """``num_workers = 2 x data_parallel_size`` with ``cfg_parallel``: two CFG-parallel
+    pairs (ranks 0+1 and 2+3, each with its own rendezvous), each running its own requests
+    and splitting every guidance step between its two ranks; every image equals the
+    single-worker one (same seeds), and each pair's two ranks ran the same steps while the
+    pairs shared the requests."""
+    if pair_backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    sampling = SamplingParams(
+        height=32,
+        width=32,
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        negative_prompt="blurry",
+        output_type="np",
+    )
+    jobs = {f"r{i}": sampling.replace(seed=20 + i) for i in range(4)}
+    base: dict[str, Any] = {
+        "model": "builtin:tiny-sd",
+        "cache_dir": str(cache_dir),
+        "torch_threads": 1,
+        "warmup": False,
+        "step_execution": step_execution,
+    }
+    with trio.fail_after(3 * CAP_S):
+        async with open_engine(EngineConfig(backend="inproc", **base)) as engine:  # reference
+            alone = await generate_all(engine, jobs)
+        if pair_backend == "tractor":
+            base["worker_start_method"] = "forkserver"
+        config = EngineConfig(
+            backend=pair_backend,
+            data_parallel_size=2,
+            num_workers=4,
+            cfg_parallel=True,
+            close_timeout_s=10.0,
+            **base,
+        )
+        async with open_engine(config) as engine:
+            described = await engine.collective_rpc("describe", unique_reply_rank=None)
+            assert [d["cfg_parallel"] for d in described] == [True] * 4
+            pairs = await generate_all(engine, jobs)
+            steps = await steps_per_rank(engine)
+            await assert_nothing_left(engine)
+    for rid in jobs:
+        assert pairs[rid].status is S.FINISHED_COMPLETED, pairs[rid]
+        assert abs(alone[rid].images[0] - pairs[rid].images[0]).max() <= 1e-4, rid
+    assert steps[0] == steps[1] and steps[2] == steps[3], steps
+    assert steps[0] > 0 and steps[2] > 0, steps  # both pairs ran requests
+    assert steps[0] + steps[2] == 4 * 4, steps  # each request's steps ran on one pair

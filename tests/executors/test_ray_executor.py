@@ -7,7 +7,7 @@ processes: SIGKILL mid-forward and while idle (restart and retry through the eng
 supervisor), retries exhausted, a hung actor, an RPC past its timeout, and shutdown leaving no
 actor, placement group or process.  CFG-parallel on two actors is checked beside tractor's in
 ``test_tractor_executor.py``.  Every test runs against the session's local Ray
-(``ray_cluster`` in ``tests/conftest.py``: 2 CPUs, loopback) and is capped.
+(``ray_cluster`` in ``tests/conftest.py``: 4 logical CPUs, loopback) and is capped.
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ async def test_a_cluster_too_small_is_a_clear_error_within_the_wait(
 ) -> None:
     config = EngineConfig(
         backend="ray",
-        num_workers=3,
+        num_workers=5,
         cfg_parallel=False,
         warmup=False,
         cache_dir=str(cache_dir),
@@ -419,8 +419,8 @@ async def test_a_cluster_too_small_is_a_clear_error_within_the_wait(
             pass
     error = failed.value
     assert error.error_type == "PlacementError"
-    assert "cannot place 3 worker(s): needed 3 bundle(s) of {'CPU': 1}" in str(error)
-    assert "the cluster has 2 CPU in all" in str(error)
+    assert "cannot place 5 worker(s): needed 5 bundle(s) of {'CPU': 1}" in str(error)
+    assert "the cluster has 4 CPU in all" in str(error)
     assert "waited 0.5 s" in str(error)
     table = ray_cluster.util.placement_group_table()
     assert all(table[key]["state"] == "REMOVED" for key in set(table) - before)
