@@ -57,6 +57,9 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_tick_seconds{replica}             histogram: step mode's ticks (one denoising
                                                 step of every request in it), dispatch to
                                                 result; none in request mode
+    omni_trio_requests_moved_total{reason}      requests moved to another replica before any
+                                                chunk reached the client: replica_died, or
+                                                workers_restarting (its worker group failed)
 
 ``supervisors/grafana-dashboard.json`` charts these; a test checks that each of its queries
 names a metric this module exports.
@@ -263,6 +266,14 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "omni_trio_draining", "1 while the server drains", value=int(pool.draining)
         )
+        moved = CounterMetricFamily(
+            "omni_trio_requests_moved",
+            "Requests moved to another replica (before any chunk reached the client), by why",
+            labels=["reason"],
+        )
+        for reason, count in getattr(pool, "moved", {}).items():
+            moved.add_metric([reason], count)
+        yield moved
         yield state
         yield worker_restarts
         yield replica_restarts

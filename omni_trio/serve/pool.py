@@ -96,6 +96,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_RESTART_WAIT_S",
     "FINISHED_IDS_KEPT",
+    "MOVE_REASONS",
     "RESTART_WAIT_REASON",
     "DrainingError",
     "EnginePool",
@@ -130,6 +131,8 @@ RESTART_WAIT_REASON = "no replica became ready within restart_wait_s"
 # How often a replica that requests wait for is checked for being ready again (its engine
 # has no event for it); the wait's own end is exact.
 RESTART_POLL_S = 0.1
+# Why a request moved to another replica (EnginePool.moved, omni_trio_requests_moved_total).
+MOVE_REASONS = ("replica_died", "workers_restarting")
 
 
 class QueueFullError(OmniTrioError):
@@ -630,6 +633,8 @@ class EnginePool:
         self._restart_waits: dict[str, tuple[float, PooledStream]] = {}
         self._restart_wake = trio.Event()  # set when a wait is added
         self._busy = trio.Event()  # set when a request is admitted (the move check wakes)
+        # Requests moved to another replica, by why: "replica_died", "workers_restarting".
+        self.moved: dict[str, int] = dict.fromkeys(MOVE_REASONS, 0)
         # The level the operator put the pool to sleep at (0: awake); a replica opened
         # meanwhile (a reopen after its engine died) is put to sleep too.
         self.sleep_level = 0
@@ -1251,11 +1256,13 @@ class EnginePool:
         except OmniTrioError:
             return None
         old = self._replicas[stream.replica].engine
+        died = old is None or old.is_dead
+        self.moved["replica_died" if died else "workers_restarting"] += 1
         log.warning(
             "request %s: %s; moved to replica %d",
             stream.public_id,
             f"replica {stream.replica} "
-            + ("died under it" if old is None or old.is_dead else "is restarting its workers"),
+            + ("died under it" if died else "is restarting its workers"),
             replica.index,
         )
         self._replicas[stream.replica].in_flight -= 1

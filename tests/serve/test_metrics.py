@@ -27,6 +27,7 @@ class FakePool:
         self._replicas = replicas
         self.in_flight = in_flight
         self.draining = draining
+        self.moved = {"replica_died": 0, "workers_restarting": 0}
 
     def replicas_info(self) -> list[dict[str, Any]]:
         return self._replicas
@@ -115,6 +116,10 @@ def test_pool_gauges_are_read_at_scrape_time() -> None:
     assert [s[("omni_trio_engine_state", (("replica", str(i)),))] for i in range(3)] == [2, 1, 0]
     assert s[("omni_trio_worker_restarts_total", (("replica", "0"),))] == 2
     assert s[("omni_trio_replica_restarts_total", (("replica", "2"),))] == 5
+    assert s[("omni_trio_requests_moved_total", (("reason", "workers_restarting"),))] == 0
+    pool.moved["workers_restarting"] = 2
+    moved = samples(m)[("omni_trio_requests_moved_total", (("reason", "workers_restarting"),))]
+    assert moved == 2
     pool.in_flight = 0
     pool._replicas[1] = replica(1, "ready", statistics={"waiting": 0, "running": 2})
     s = samples(m)

@@ -320,6 +320,7 @@ async def test_a_dead_replica_is_reopened_and_the_others_are_not_disturbed() -> 
             # replica (same id, same seed) and completed there.
             assert results["victim"].status is RequestStatus.FINISHED_COMPLETED
             assert (victim.stream.moves, victim.stream.replica) == (1, 1)
+            assert pool.moved == {"replica_died": 1, "workers_restarting": 0}
             assert decode_echo_image(results["victim"].images[0]) == ("victim", victim.seed, 0)
             # The bystander on replica 1 ran to completion on the same engine.
             assert results["bystander"].status is RequestStatus.FINISHED_COMPLETED
@@ -770,6 +771,7 @@ async def test_requests_queued_on_a_restarting_replica_move_to_a_ready_one(
             assert engine0.status("first") is None and engine0.status("behind") is None
             assert [r["in_flight"] for r in pool.replicas_info()] == [0, 0]
             assert pool.in_flight == 0 and pool.move_off_restarting() == 0
+            assert pool.moved == {"replica_died": 0, "workers_restarting": 2}
 
 
 async def test_a_moved_request_does_not_move_again_nor_once_started(
