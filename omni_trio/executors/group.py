@@ -350,8 +350,14 @@ class GroupExecutor(Executor):
                 dist: dict[int, str | None] = dict.fromkeys(range(config.num_workers))
                 size = self._group_size if self._dp is not None else config.num_workers
                 if size > 1 and config.cfg_parallel:
+                    used: set[str] = set()
                     for leader in range(0, config.num_workers, size):
                         address = await self.transport.rendezvous(leader)
+                        for _ in range(8):  # a free port found twice: ask again
+                            if address not in used:
+                                break
+                            address = await self.transport.rendezvous(leader)
+                        used.add(address)
                         for rank in range(leader, leader + size):
                             dist[rank] = address
                 await self._start_ranks(ranks, dist)
@@ -602,7 +608,12 @@ class GroupExecutor(Executor):
             try:
                 self.transport.send(state.rank, calls[state.rank])
             except Exception as exc:
-                if index and per_rank is None:  # some rank has the call: no longer agrees
+                # Some rank has the call: the ranks no longer agree (also a CFG pair whose
+                # first rank has it: it would wait in a collective for its partner): the
+                # group fails.
+                rank = state.rank
+                split_pair = reply_ranks is not None and reply_ranks[rank] != rank
+                if index and (per_rank is None or split_pair):
                     raise
                 if index:  # data parallel: take back the shares already sent
                     await self._withdraw(rpc_id, states[:index], abort_ids, timeout)

@@ -325,6 +325,8 @@ class PooledStream:
         self.klass = klass
         self.work = work
         self.pixels = pixels
+        # When the pool admitted it (trio time): a move keeps what is left of its deadline.
+        self.admitted_at = trio.current_time()
         self._move = move
         self._started = False  # a chunk reached the consumer: it can no longer move
         self.moves = 0  # times it moved to another replica after its own died or restarted
@@ -381,9 +383,11 @@ class PooledStream:
                     raise
                 self._inner = moved
                 continue
-            except BaseException:
+            except BaseException as exc:
                 if self._inner is not inner:  # it moved while this read waited
-                    self._inner.close()
+                    if isinstance(exc, Exception):
+                        continue  # the stream it moved from ended or failed: not its own
+                    self._inner.close()  # cancelled: the request it moved to is left too
                 self._release()
                 raise
             if self._inner is not inner:
@@ -816,6 +820,9 @@ class EnginePool:
         requests are in flight.  Runs until cancelled."""
         while True:
             if not self._active:
+                # Idle: a restart seen now is not timed (its end would not be seen on time).
+                for replica in self._replicas:
+                    replica.restarting_since = None
                 self._busy = trio.Event()
                 await self._busy.wait()
             await trio.sleep(RESTART_POLL_S)
@@ -838,8 +845,9 @@ class EnginePool:
         """Move the requests queued (waiting, or put back by the failure) on a replica
         whose worker group is restarting to the least-loaded ready replica, one by one,
         while that replica would start each sooner than the restart is expected to be
-        over (:meth:`expected_group_restart_s`, less the time since the failure was seen):
-        its work in flight at its share of the measured rate of work is less than that.
+        over (:meth:`expected_group_restart_s`, less the time since the failure was seen;
+        once overdue, as long again as it has taken): its work in flight at its share of
+        the measured rate of work is less than that.
         The requests the failed group ran are then retried on a live replica at once, and
         those behind them do not wait for the restart; a restart that is nearly over, or
         a live replica with a queue longer than it, keeps them.  Only requests no chunk of
@@ -853,9 +861,9 @@ class EnginePool:
             if state is EngineState.RESTARTING:
                 if replica.restarting_since is None:
                     replica.restarting_since = now
-                    left = self.expected_group_restart_s()
-                else:
-                    left = replica.restarting_since + self.expected_group_restart_s() - now
+                elapsed = now - replica.restarting_since
+                # Overdue: expect it to take about as long again as it has (never "over").
+                left = max(self.expected_group_restart_s() - elapsed, elapsed)
                 restarting[replica.index] = left
             elif replica.restarting_since is not None:
                 if state is EngineState.READY:
@@ -1068,12 +1076,13 @@ class EnginePool:
     def restart_retry_after_s(self) -> int:
         """``Retry-After`` of a 503 for a server that is going away (draining, or the pool
         gave up so the process exits for its OS supervisor to start again): the measured
-        time to open every replica again (they open in turn).  :data:`DEFAULT_RETRY_AFTER_S`
-        before any open was measured."""
+        time to open every replica again (in turn; stage processes all at once).
+        :data:`DEFAULT_RETRY_AFTER_S` before any open was measured."""
         expected = self._open_time.expected_s()
         if expected is None:
             return DEFAULT_RETRY_AFTER_S
-        return clamp_retry_after(expected * self.replicas)
+        turns = 1 if self.stage == "process" else self.replicas
+        return clamp_retry_after(expected * turns)
 
     def _check_queue_wait(self, params: SamplingParams, klass: Hashable = None) -> None:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
@@ -1108,8 +1117,11 @@ class EnginePool:
 
     def _work_left(self, stream: PooledStream) -> float:
         """What ``stream``'s request has left to do: its work, less the share of its steps
-        done where its engine tracks them."""
+        done where its engine tracks them; nothing once its engine is done with it (its
+        consumer has not read the end yet)."""
         engine = self._replicas[stream.replica].engine
+        if engine is not None and engine.status(stream.engine_request_id) is None:
+            return 0.0
         progress = None if engine is None else engine.progress(stream.engine_request_id)
         if progress is None or progress[1] <= 0:
             return stream.work
@@ -1190,7 +1202,10 @@ class EnginePool:
                 return 1
             width = width if width is not None else default[0]
             height = height if height is not None else default[1]
-        return max(1, int(height) * int(width))
+        try:
+            return max(1, int(height) * int(width))
+        except (TypeError, ValueError, OverflowError):  # the engine's validation says why
+            return 1
 
     def _any_waiting(self) -> bool:
         """Whether some request in flight still waits in its engine's queue (O(n))."""
@@ -1242,6 +1257,11 @@ class EnginePool:
         rid = stream.engine_request_id
         if self._active.get(rid) is not stream:
             return None
+        if params.deadline_s is not None:  # its deadline counts from its first admission
+            left = params.deadline_s - (trio.current_time() - stream.admitted_at)
+            if left <= 0:
+                return None  # it ends by its timeout where it is
+            params = params.replace(deadline_s=left)
         others = [
             r
             for r in self._ready_replicas()

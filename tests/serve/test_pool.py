@@ -774,30 +774,118 @@ async def test_requests_queued_on_a_restarting_replica_move_to_a_ready_one(
             assert pool.moved == {"replica_died": 0, "workers_restarting": 2}
 
 
-async def test_a_moved_request_does_not_move_again_nor_once_started(
+async def test_a_moved_request_does_not_move_again(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A request moves off a restarting replica at most once (one that brings groups down
-    cannot take every replica down in turn), and never once a chunk reached its consumer;
-    with no ready replica nothing moves."""
+    cannot take every replica down in turn): moved to replica 1, it brings replica 1's group
+    down too, and stays there, waiting for that restart, even once replica 0 is ready
+    again; while no replica is ready nothing moves."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=5.0), replicas=2)
+        async with serving(pool):
+            engine0, engine1 = pool.replica_engine(0), pool.replica_engine(1)
+            assert engine0 is not None and engine1 is not None
+            sub = pool.submit("a", SHORT, request_id="r")
+            assert sub.replica == 0
+            engine1.executor.die_in_forward = WorkerError("r crashes it", worker=0)
+            await fail_the_group(pool)
+            await wait_until(lambda: engine1.health().state == "restarting")
+            assert (sub.stream.moves, sub.stream.replica) == (1, 1)
+            assert engine0.health().state == "restarting"
+            assert pool.move_off_restarting() == 0  # no replica is ready
+            await wait_until(lambda: engine0.health().healthy)
+            assert engine1.health().state == "restarting"
+            assert pool.move_off_restarting() == 0  # replica 0 is ready: it moved once
+            assert (sub.stream.moves, sub.stream.replica) == (1, 1)
+            out = await final_of(sub)  # on replica 1, once its group is back
+            assert out.status is RequestStatus.FINISHED_COMPLETED
+            assert pool.moved["workers_restarting"] == 1
+
+
+async def test_a_moved_request_keeps_what_is_left_of_its_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request with a 10 s timeout moves 0.1 s after admission to a replica that never
+    finishes it: it times out 10 s after its first admission, not 10 s after the move."""
     with trio.fail_after(CAP_S):
         pool = EnginePool(scripted_config(backoff_s=1000.0), replicas=2)
         async with serving(pool):
-            sub = pool.submit("a", SHORT, request_id="r")
-            assert sub.replica == 0
-            await fail_the_group(pool)
-            assert pool.move_off_restarting() == 1
-            assert (sub.stream.moves, sub.stream.replica) == (1, 1)
-            # Replica 1 fails too: none is ready, and the request moved once already.
             engine1 = pool.replica_engine(1)
             assert engine1 is not None
-            engine1.executor.fail(WorkerError("killed by the test", worker=0))
-            while engine1.health().state != "restarting":  # noqa: ASYNC110 - virtual time
-                await trio.sleep(0.001)
+            engine1.executor.hold = True  # replica 1 never finishes a forward
+            admitted = trio.current_time()
+            sub = pool.submit("a", SHORT.replace(deadline_s=10.0), request_id="r")
+            await fail_the_group(pool)
+            out = await final_of(sub)
+            assert sub.stream.moves == 1
+            assert out.error_type == "RequestTimeoutError"
+            assert trio.current_time() - admitted == pytest.approx(10.0, abs=0.02)
+
+
+async def test_a_request_whose_chunk_reached_its_consumer_never_moves() -> None:
+    """Step mode with previews (real echo engines): once a preview of the request reached
+    its consumer, its replica's group failing does not move it (the client would see the
+    run start over); it waits for its own replica."""
+    config = echo_config(
+        step_execution=True,
+        streaming_output=True,
+        worker_restart_backoff_s=30.0,
+        worker_restart_backoff_max_s=30.0,
+    )
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(config, replicas=2)
+        async with serving(pool):
+            sub = pool.submit("a", LONG.replace(seed=3), request_id="seen")
+            assert sub.replica == 0
+            first = await sub.stream.__anext__()
+            assert not first.finished
+            engine0 = pool.replica_engine(0)
+            assert engine0 is not None
+            engine0.executor.fail(WorkerError("killed by the test", worker=0))
+            await wait_until(lambda: engine0.health().state == "restarting")
+            for _ in range(5):  # polls of the move check
+                await trio.sleep(pool_module.RESTART_POLL_S)
             assert pool.move_off_restarting() == 0
-            assert sub.stream.move_off(engine1.abort) is False
+            assert (sub.stream.moves, sub.stream.replica) == (0, 0)
+            assert pool.moved["workers_restarting"] == 0
             await sub.stream.aclose()
             assert pool.in_flight == 0
+
+
+async def test_an_overdue_restart_no_longer_keeps_its_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Restarts measured at 0.2 s; this one takes 1000 s.  Behind replica 1's queue (seconds
+    of work) the request first waits for its own replica, then, once the restart has taken
+    longer than that queue would, moves, and completes long before the restart."""
+    with trio.fail_after(CAP_S):
+        pool = EnginePool(scripted_config(backoff_s=1000.0), replicas=2, max_queue_len=64)
+        async with serving(pool):
+            for index in (0, 1):
+                engine = pool.replica_engine(index)
+                assert engine is not None
+                engine.executor.forward_s = 0.05
+            for index in range(8):
+                await final_of(pool.submit("w", SHORT, request_id=f"warm{index}"))
+            engine0 = pool.replica_engine(0)
+            assert engine0 is not None
+            await fail_the_group(pool)  # excused (completions before): back at once
+            await wait_until(lambda: engine0.health().healthy)
+            pool._group_restart_time.record(0.2)
+            mine = pool.submit("x", SHORT, request_id="mine")
+            await fail_the_group(pool)  # nothing completed since: the 1000 s backoff
+            failed_at = trio.current_time()
+            queue = [pool.submit("q", SHORT, request_id=f"q{i}") for i in range(30)]
+            assert {sub.replica for sub in queue} == {1}
+            await trio.sleep(0.5)
+            assert mine.stream.moves == 0  # the restart is expected first
+            out = await final_of(mine)
+            assert out.status is RequestStatus.FINISHED_COMPLETED
+            assert (mine.stream.moves, mine.stream.replica) == (1, 1)
+            assert 0.5 < trio.current_time() - failed_at < 60.0
+            for sub in queue:
+                await final_of(sub)
 
 
 async def test_a_restart_expected_before_the_live_replica_could_run_it_keeps_the_request(
