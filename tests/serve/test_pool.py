@@ -823,6 +823,49 @@ async def test_a_moved_request_keeps_what_is_left_of_its_deadline(
             assert trio.current_time() - admitted == pytest.approx(10.0, abs=0.02)
 
 
+async def test_a_read_blocked_on_the_stream_it_moved_from_goes_on_with_the_new_one() -> None:
+    """PooledStream alone, over two raw request streams: the consumer waits on stream A when
+    the request moves to B; A then ends with an error (a stage that refused the request
+    late) and then its channel closes: neither is the request's any more, and the consumer
+    reads B's terminal output; A's consumer-gone is never reported (the move aborted it)."""
+    import math
+
+    from omni_trio.runtime.request_stream import RequestStream
+    from omni_trio.serve.pool import PooledStream
+
+    def raw(name: str, gone: list[str]) -> tuple[Any, RequestStream]:
+        send, receive = trio.open_memory_channel[DiffusionOutput](math.inf)
+        return send, RequestStream("r", 1, receive, gone.append)
+
+    gone_a: list[str] = []
+    gone_b: list[str] = []
+    send_a, a = raw("a", gone_a)
+    send_b, b = raw("b", gone_b)
+    released: list[PooledStream] = []
+    aborted: list[str] = []
+    stream = PooledStream(a, 0, released.append, move=lambda _: b)
+    done = DiffusionOutput("r", RequestStatus.FINISHED_COMPLETED, finished=True, seed=1)
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+            outputs: list[DiffusionOutput] = []
+
+            async def consume() -> None:
+                outputs.append(await stream.__anext__())
+
+            nursery.start_soon(consume)
+            await trio.testing.wait_all_tasks_blocked()  # blocked on A
+            assert stream.move_off(aborted.append)
+            assert aborted == ["r"] and stream.moves == 1
+            a.fail_with(InvalidRequestError("the stage refused it late"))
+            await send_a.aclose()  # A ends (its error is raised on this read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not outputs  # not A's end: now blocked on B
+            send_b.send_nowait(done)
+    assert outputs == [done]
+    assert released == [stream] and stream.completed
+    assert gone_b == []  # B ended with its terminal output
+
+
 async def test_a_request_whose_chunk_reached_its_consumer_never_moves() -> None:
     """Step mode with previews (real echo engines): once a preview of the request reached
     its consumer, its replica's group failing does not move it (the client would see the
