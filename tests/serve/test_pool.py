@@ -896,6 +896,24 @@ async def test_a_request_whose_chunk_reached_its_consumer_never_moves() -> None:
             assert pool.in_flight == 0
 
 
+async def warm_then_fail_once(pool: EnginePool) -> None:
+    """Forwards of 0.05 s on both replicas, eight completions (a measured rate), then
+    replica 0's group failed once and back: a failure right after completions restarts at
+    once (a group that was serving), so the next one, with nothing completed since, waits
+    for the configured backoff."""
+    for index in (0, 1):
+        engine = pool.replica_engine(index)
+        assert engine is not None
+        engine.executor.forward_s = 0.05
+    for index in range(8):
+        await final_of(pool.submit("w", SHORT, request_id=f"warm{index}"))
+    assert pool.work_rate() is not None
+    engine0 = pool.replica_engine(0)
+    assert engine0 is not None
+    await fail_the_group(pool)
+    await wait_until(lambda: engine0.health().healthy)
+
+
 async def test_an_overdue_restart_no_longer_keeps_its_requests(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -905,16 +923,7 @@ async def test_an_overdue_restart_no_longer_keeps_its_requests(
     with trio.fail_after(CAP_S):
         pool = EnginePool(scripted_config(backoff_s=1000.0), replicas=2, max_queue_len=64)
         async with serving(pool):
-            for index in (0, 1):
-                engine = pool.replica_engine(index)
-                assert engine is not None
-                engine.executor.forward_s = 0.05
-            for index in range(8):
-                await final_of(pool.submit("w", SHORT, request_id=f"warm{index}"))
-            engine0 = pool.replica_engine(0)
-            assert engine0 is not None
-            await fail_the_group(pool)  # excused (completions before): back at once
-            await wait_until(lambda: engine0.health().healthy)
+            await warm_then_fail_once(pool)
             pool._group_restart_time.record(0.2)
             mine = pool.submit("x", SHORT, request_id="mine")
             await fail_the_group(pool)  # nothing completed since: the 1000 s backoff
@@ -941,20 +950,8 @@ async def test_a_restart_expected_before_the_live_replica_could_run_it_keeps_the
     with trio.fail_after(CAP_S):
         pool = EnginePool(scripted_config(backoff_s=0.5), replicas=2, max_queue_len=64)
         async with serving(pool):
-            for index in (0, 1):
-                engine = pool.replica_engine(index)
-                assert engine is not None
-                engine.executor.forward_s = 0.05
-            for index in range(8):
-                await final_of(pool.submit("w", SHORT, request_id=f"warm{index}"))
-            assert pool.work_rate() is not None
+            await warm_then_fail_once(pool)
             assert pool.expected_group_restart_s() == pytest.approx(0.5, abs=0.1)
-            # A failure right after completions restarts at once (a group that was serving);
-            # the next one, with nothing completed since, waits for the 0.5 s backoff.
-            engine0 = pool.replica_engine(0)
-            assert engine0 is not None
-            await fail_the_group(pool)
-            await wait_until(lambda: engine0.health().healthy)
             mine = pool.submit("x", SHORT, request_id="mine")
             assert mine.replica == 0
             await fail_the_group(pool)
