@@ -20,6 +20,10 @@ Rules:
 - a request is **held** by the rank it was last given to (request mode: until it finishes;
   step mode: its pin): only that rank can hold a stop flag or step state for it (the executor
   sends an abort only to the holder, :meth:`DataParallelRouter.holder`);
+- a rank may be **down** (:meth:`DataParallelRouter.down`: its process died and restarts
+  while the others serve): it gets no share until :meth:`DataParallelRouter.up`; the
+  requests it held are forgotten (their state died with it) and the finished ids it was
+  still to hear of are dropped (the restarted rank never held them);
 - a **finished id** is queued for its holder alone and delivered with that rank's next call;
   a rank with no rows but undelivered finished ids still gets a call (an empty one), so
   nothing is left behind; an id never given to a rank goes nowhere.  The holder is forgotten
@@ -51,6 +55,35 @@ class DataParallelRouter:
         self._owners: dict[str, int] = {}
         # Finished ids not yet delivered, per rank.
         self._undelivered: dict[int, set[str]] = {rank: set() for rank in range(size)}
+        # Ranks that get no share now (restarting), and the ranks that do.
+        self._down: set[int] = set()
+        self._up: list[int] = list(range(size))
+
+    def down(self, rank: int) -> frozenset[str]:
+        """``rank`` is gone until :meth:`up`: the ids of the live requests it held (their
+        state died with it; no longer held by anyone), its undelivered finished ids dropped.
+        ``ValueError`` for the last rank up (a router with no rank cannot split)."""
+        if rank in self._down:
+            return frozenset()
+        if self._up == [rank]:
+            raise ValueError("the last data-parallel rank up cannot go down")
+        self._down.add(rank)
+        self._up = [r for r in range(self.size) if r not in self._down]
+        held = frozenset(rid for rid, owner in self._owners.items() if owner == rank)
+        for rid in held:
+            del self._owners[rid]
+        self._undelivered[rank] = set()
+        return held
+
+    def up(self, rank: int) -> None:
+        """``rank`` (restarted, holding nothing) gets shares again."""
+        self._down.discard(rank)
+        self._up = [r for r in range(self.size) if r not in self._down]
+
+    @property
+    def ranks_up(self) -> tuple[int, ...]:
+        """The ranks that get shares now, ascending."""
+        return tuple(self._up)
 
     def holder(self, request_id: str) -> int | None:
         """The rank a live request was given to (step mode: pinned to); None if none."""
@@ -74,20 +107,23 @@ class DataParallelRouter:
                 self._undelivered[holder].add(rid)
         new_rows: dict[int, list[NewRequestData]] = {r: [] for r in range(self.size)}
         cached_rows: dict[int, list[str]] = {r: [] for r in range(self.size)}
+        up = self._up
         if self.step_mode:
             for rid in output.scheduled_cached_reqs:
-                cached_rows[self._owners.get(rid, 0)].append(rid)
+                cached_rows[self._owners.get(rid, up[0])].append(rid)
             for new in output.scheduled_new_reqs:
                 rank = self._least_loaded(new_rows, cached_rows)
                 self._owners[new.request_id] = rank
                 new_rows[rank].append(new)
         else:
             for index, new in enumerate(output.scheduled_new_reqs):
-                new_rows[index % self.size].append(new)
-                self._owners[new.request_id] = index % self.size
+                rank = up[index % len(up)]
+                new_rows[rank].append(new)
+                self._owners[new.request_id] = rank
             for index, rid in enumerate(output.scheduled_cached_reqs):
-                cached_rows[index % self.size].append(rid)
-                self._owners[rid] = index % self.size
+                rank = up[index % len(up)]
+                cached_rows[rank].append(rid)
+                self._owners[rid] = rank
         shares: dict[int, SchedulerOutput] = {}
         for rank in range(self.size):
             news, cached, done = new_rows[rank], cached_rows[rank], self._undelivered[rank]
@@ -111,7 +147,7 @@ class DataParallelRouter:
         for rank in self._owners.values():
             pinned[rank] += 1
         return min(
-            range(self.size),
+            self._up,
             key=lambda r: (len(new_rows[r]) + len(cached_rows[r]), pinned[r], r),
         )
 
@@ -119,7 +155,8 @@ class DataParallelRouter:
         """``shares`` were not run (the call failed before it ran): their finished ids are
         delivered again with each rank's next call."""
         for rank, share in shares.items():
-            self._undelivered[rank].update(share.finished_req_ids)
+            if rank not in self._down:
+                self._undelivered[rank].update(share.finished_req_ids)
 
     def forget(self, request_ids: frozenset[str] | set[str] | tuple[str, ...]) -> None:
         """Unpin ``request_ids`` now (their state was dropped on every rank)."""

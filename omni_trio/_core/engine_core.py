@@ -128,6 +128,8 @@ QUARANTINE_AFTER_CRASHES = 2
 # value its wire codec cannot encode): the request's own fault, never the group's.
 PAYLOAD_REJECTED = "InvalidRequestError"
 _TIMING_WINDOW = 1024
+# The weight of each new measurement in a size's moving average of its step time.
+STEP_TIME_ALPHA = 0.2
 _PHASES = ("queue_wait", "execution", "postprocess", "end_to_end")
 
 
@@ -477,6 +479,8 @@ class EngineCore:
         self._tick_counts = [0] * (len(TICK_BUCKETS_S) + 1)
         self._tick_sum_s = 0.0
         self._dispatched_at = 0.0
+        # pixels per image -> seconds per denoising step of one image (moving average).
+        self._step_times: dict[int, float] = {}
         self._timings: dict[str, deque[float]] = {k: deque(maxlen=_TIMING_WINDOW) for k in _PHASES}
         self._id_prefix = id_prefix
         self._ids = itertools.count(1)
@@ -730,13 +734,16 @@ class EngineCore:
                     rid,
                     step_id=sched_out.step_id,
                     worker=worker,
-                    detail=_result_detail(result.get(rid)),
+                    detail=_result_detail(result.get(rid), lost=rid in result.lost),
                 )
         if self.config.step_execution and sched_out.scheduled_request_ids:
             tick = max(0.0, now - self._dispatched_at)
             self._tick_counts[bisect.bisect_left(TICK_BUCKETS_S, tick)] += 1
             self._tick_sum_s += tick
+        if result.lost:
+            self._rows_lost(sched_out, states, result, now, out)
         self._account(states, result, now)
+        self._time_steps(sched_out, states, result, now)
         finished = self.scheduler.update_from_output(sched_out, result, now)
         entries = self._entries
         for rid in sched_out.scheduled_request_ids:
@@ -755,6 +762,71 @@ class EngineCore:
             if done is not None and done.state is states[rid]:
                 self._terminal(done, result.get(rid), now, out)
         return out
+
+    def _rows_lost(
+        self,
+        sched_out: SchedulerOutput,
+        states: dict[str, RequestState],
+        result: BatchRunnerOutput,
+        now: float,
+        out: list[Instruction],
+    ) -> None:
+        """Scheduled requests whose data-parallel rank died under them (the other ranks
+        served on): each still running goes back to the front of the queue, from step 0,
+        as after a group failure (:meth:`_requeue_or_fail`: a suspect from now on, counted
+        against its retries and its quarantine)."""
+        entries = self._entries
+        lost = [
+            rid
+            for rid in sched_out.scheduled_request_ids
+            if rid in result.lost
+            and states[rid].status is _S.RUNNING
+            and (entry := entries.get(rid)) is not None
+            and entry.state is states[rid]
+        ]
+        reason = f"its data-parallel worker died while this request ran ({result.lost_error})"
+        self._requeue_or_fail(lost, reason, now, out)
+
+    @property
+    def step_times(self) -> dict[int, float]:
+        """Seconds one denoising step of one image takes, by pixels per image, as measured
+        (a copy): each dispatch of one size whose every request ran (no error, abort or
+        loss) is timed from dispatch to result, over its steps (one per tick in step mode;
+        the request's in request mode) times its images, and folded into a moving average
+        (weight :data:`STEP_TIME_ALPHA`).  What the pool's estimates weigh a step by."""
+        return dict(self._step_times)
+
+    def _time_steps(
+        self,
+        sched_out: SchedulerOutput,
+        states: dict[str, RequestState],
+        result: BatchRunnerOutput,
+        now: float,
+    ) -> None:
+        elapsed = now - self._dispatched_at
+        if elapsed <= 0 or not states or result.lost:
+            return
+        sizes: set[int] = set()
+        steps: set[int] = set()
+        images = 0
+        for rid, state in states.items():
+            runner = result.get(rid)
+            sampling = state.request.sampling
+            if runner is None or runner.error is not None or runner.aborted:
+                return  # stopped early or failed: its time says nothing of a step
+            if sampling.height is None or sampling.width is None:
+                return
+            sizes.add(int(sampling.height) * int(sampling.width))
+            steps.add(1 if self.config.step_execution else sampling.total_steps)
+            images += sampling.num_outputs_per_prompt
+        if len(sizes) != 1 or len(steps) != 1 or images <= 0:
+            return  # one size, one step count: a time per step of that size
+        (pixels,), (count,) = sizes, steps
+        per_step = elapsed / (max(1, count) * images)
+        old = self._step_times.get(pixels)
+        self._step_times[pixels] = (
+            per_step if old is None else old + STEP_TIME_ALPHA * (per_step - old)
+        )
 
     def _account(
         self, states: dict[str, RequestState], result: BatchRunnerOutput, now: float
@@ -1513,6 +1585,7 @@ class EngineCore:
             sleep_state=self.sleep_state,
             sleep_level=self.sleep_level,
             sleeps=self._sleeps,
+            step_time_s=tuple(sorted(self._step_times.items())),
         )
 
     # -- trace ---------------------------------------------------------------------------
@@ -1532,9 +1605,12 @@ class EngineCore:
             trace.record(now, kind, request_id, step_id=step_id, worker=worker, detail=detail)
 
 
-def _result_detail(output: RunnerOutput | None) -> dict[str, Any]:
-    """An EXEC_RESULT's detail: the outcome, and how many steps the forward started after
-    the abort of every request in it reached the worker (the promptness INV-7 checks)."""
+def _result_detail(output: RunnerOutput | None, *, lost: bool = False) -> dict[str, Any]:
+    """An EXEC_RESULT's detail: the outcome ("lost": its data-parallel rank died under it),
+    and how many steps the forward started after the abort of every request in it reached
+    the worker (the promptness INV-7 checks)."""
+    if lost:
+        return {"outcome": "lost"}
     detail: dict[str, Any] = {"outcome": _outcome(output)}
     if output is not None and output.steps_after_abort is not None:
         detail["steps_after_abort"] = output.steps_after_abort

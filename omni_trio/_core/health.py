@@ -163,6 +163,9 @@ class EngineStatistics:
     sleep_state: SleepState = SleepState.AWAKE
     sleep_level: int = 0
     sleeps: int = 0
+    # Seconds one denoising step of one image takes, by pixels per image, as measured on
+    # this engine's dispatches (an exponential moving average; ``EngineCore.step_times``).
+    step_time_s: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

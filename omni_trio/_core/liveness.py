@@ -51,6 +51,8 @@ class LivenessTracker:
     stall_timeout_s: float | None
     _state: dict[int, RankLiveness] = field(default_factory=dict, init=False)
     _verdict: BaseException | None = field(default=None, init=False)
+    #: The rank the verdict is about (None before one).
+    verdict_rank: int | None = field(default=None, init=False)
 
     @property
     def poll_s(self) -> float:
@@ -66,6 +68,21 @@ class LivenessTracker:
         self._state = {
             rank: RankLiveness(last_heard=now, last_progress=now) for rank in range(self.ranks)
         }
+
+    def pardon(self, ranks: Iterable[int]) -> None:
+        """``ranks`` are written off on their own (a data-parallel rank group restarting
+        while the others serve): a verdict about one of them is withdrawn and they are no
+        longer watched until :meth:`resume`."""
+        ranks = set(ranks)
+        for rank in ranks:
+            self._state.pop(rank, None)
+        if self.verdict_rank in ranks:
+            self._verdict, self.verdict_rank = None, None
+
+    def resume(self, ranks: Iterable[int], now: float) -> None:
+        """``ranks`` are up again (just restarted) at ``now``."""
+        for rank in ranks:
+            self._state[rank] = RankLiveness(last_heard=now, last_progress=now)
 
     def rank(self, rank: int) -> RankLiveness:
         return self._state[rank]
@@ -140,5 +157,6 @@ class LivenessTracker:
                     "forward", f"worker {rank}: no step progress in {idle:.3f} s"
                 )
             if self._verdict is not None:
+                self.verdict_rank = rank
                 return self._verdict
         return None

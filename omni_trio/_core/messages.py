@@ -113,9 +113,14 @@ class RunnerOutput:
 
 @dataclass(frozen=True, slots=True)
 class BatchRunnerOutput:
-    """Runner outputs of one execute call, keyed by request id (never by position)."""
+    """Runner outputs of one execute call, keyed by request id (never by position).
+
+    ``lost``: scheduled requests whose data-parallel rank died under them while the other
+    ranks served (``lost_error`` says how); they have no output here and run again."""
 
     outputs: Mapping[str, RunnerOutput] = field(default_factory=dict)
+    lost: frozenset[str] = frozenset()
+    lost_error: str = ""
 
     @classmethod
     def from_list(cls, outputs: Sequence[RunnerOutput]) -> BatchRunnerOutput:

@@ -226,6 +226,12 @@ class Transport(abc.ABC):
         for a configuration the worker refused, :class:`WorkerError` otherwise.
         Cancellation closes the rank's channel."""
 
+    async def replace_ranks(self, ranks: Sequence[int]) -> None:
+        """Ready ``ranks``, whose processes are gone while the others run (a data-parallel
+        rank group restarting on its own), to be started again by :meth:`serve_rank`.  By
+        default nothing: a transport whose ``serve_rank`` starts a new process each time."""
+        return None
+
     @abc.abstractmethod
     def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
         """Queue ``message`` for ``rank``; never blocks.  A :class:`WorkerAbort` takes
@@ -263,6 +269,9 @@ class _Rank:
     exited: bool = False
     gone: trio.Event = field(default_factory=trio.Event)  # set once the process is gone
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Written off on its own (data parallel: its rank group restarts while the others
+    # serve): what it still sends is dropped, its exit fails nothing.
+    lost: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -299,7 +308,20 @@ class GroupExecutor(Executor):
         # Ranks per data-parallel replica group: 1, or 2 (a CFG-parallel pair: ranks 2g and
         # 2g + 1 run group g's share together; the first ships the results).
         self._group_size = max(1, config.num_workers // max(1, config.data_parallel_size))
-        self._output_ranks: dict[str, int] = {}
+        # Which rank (its state at the time) announced each async output, in data parallel.
+        self._output_ranks: dict[str, _Rank] = {}
+        # Data parallel: replica groups down (restarting while the others serve) and why,
+        # requests whose state died with one (reported lost when next scheduled), the times
+        # of each group's restarts (its limit), and an event set while every group is up.
+        self._down: dict[int, BaseException] = {}
+        self._lost_ids: dict[str, str] = {}  # request id -> how its group was lost
+        self._restart_times: dict[int, list[float]] = {}
+        self._all_up = trio.Event()
+        self._all_up.set()
+        self._ranks_nursery: trio.Nursery | None = None
+        self._wire: dict[str, Any] | None = None
+        #: Data parallel: rank groups restarted on their own so far.
+        self.rank_restarts = 0
 
     @abc.abstractmethod
     def make_transport(self) -> Transport:
@@ -318,6 +340,7 @@ class GroupExecutor(Executor):
                     with trio.CancelScope() as group_scope:
                         self._group_scope = group_scope
                         async with trio.open_nursery() as ranks:
+                            self._ranks_nursery = ranks
                             await self._start_within_deadline(ranks)
                             first = self._ranks[0].started
                             assert first is not None
@@ -325,8 +348,8 @@ class GroupExecutor(Executor):
                             self.model_info = ModelInfo.from_dict(info)
                             self._tracker.start(trio.current_time())
                             ranks.start_soon(self._monitor)
-                            for rank in self._ranks:
-                                ranks.start_soon(self._watch_exit, rank)
+                            for state in self._ranks.values():
+                                ranks.start_soon(self._watch_exit, state)
                             task_status.started(self)
                             await trio.sleep_forever()
                 finally:
@@ -352,12 +375,7 @@ class GroupExecutor(Executor):
                 if size > 1 and config.cfg_parallel:
                     used: set[str] = set()
                     for leader in range(0, config.num_workers, size):
-                        address = await self.transport.rendezvous(leader)
-                        for _ in range(8):  # a free port found twice: ask again
-                            if address not in used:
-                                break
-                            address = await self.transport.rendezvous(leader)
-                        used.add(address)
+                        address = await self._rendezvous(leader, used)
                         for rank in range(leader, leader + size):
                             dist[rank] = address
                 await self._start_ranks(ranks, dist)
@@ -369,9 +387,19 @@ class GroupExecutor(Executor):
                 f"(worker_start_timeout_s; not ready: rank(s) {pending or 'all'})",
             ) from None
 
+    async def _rendezvous(self, leader: int, used: set[str]) -> str:
+        """A CFG-parallel pair's rendezvous address, never one in ``used`` (added to it)."""
+        address = await self.transport.rendezvous(leader)
+        for _ in range(8):  # a free port found twice: ask again
+            if address not in used:
+                break
+            address = await self.transport.rendezvous(leader)
+        used.add(address)
+        return address
+
     async def _start_ranks(self, ranks: trio.Nursery, dist: Mapping[int, str | None]) -> None:
         n = self.config.num_workers
-        wire = wire_config(self.config)
+        wire = self._wire = wire_config(self.config)
         errors: list[BaseException] = []
 
         async def start(rank: int, starters: trio.Nursery) -> None:
@@ -398,12 +426,13 @@ class GroupExecutor(Executor):
         """One rank's life: its transport task.  A startup failure is raised; once started,
         the rank's channel ending or breaking fails the group (unless it is closing)."""
         rank = init.rank
+        state = self._ranks[rank]
         running = False
 
         async def run(*, task_status: TaskStatus[RankStarted] = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 await self.transport.serve_rank(
-                    init, lambda message: self._deliver(rank, message), task_status=task_status
+                    init, lambda message: self._deliver(state, message), task_status=task_status
                 )
             except Exception as exc:
                 if not running:
@@ -411,51 +440,54 @@ class GroupExecutor(Executor):
                 reason = WorkerError(f"its channel broke: {exc!r}", worker=rank)
             else:
                 reason = WorkerError("closed its channel", worker=rank)
-            if self._closing:
+            if self._closing or state.lost:
                 return
             # A channel usually ends because its process did: then that is the failure
             # (reported by the exit watch, with the exit status), on every backend alike.
             with trio.move_on_after(EXIT_GRACE_S):
-                await self._ranks[rank].gone.wait()
+                await state.gone.wait()
                 return
-            self._fail_group(reason)
+            self._rank_failed(state, reason)
 
         async with trio.open_nursery() as inner:
             started = await inner.start(run)
             running = True
             task_status.started(started)
 
-    def _deliver(self, rank: int, message: WireMessage) -> None:
-        """Everything a rank sends comes here: liveness first, then its pump."""
+    def _deliver(self, state: _Rank, message: WireMessage) -> None:
+        """Everything a rank sends comes here: liveness first, then its pump.  What a rank
+        written off still sends (already on its way) is dropped."""
+        if state.lost:
+            if not isinstance(message, Heartbeat):
+                self._on_discard(message.result)
+            return
         now = trio.current_time()
-        state = self._ranks.get(rank)
+        rank = state.rank
         if isinstance(message, Heartbeat):
             self._tracker.heard(rank, now, steps=message.steps, packer_alive=message.packer_alive)
-            if state is not None:
-                state.progress = dict(message.progress)
+            state.progress = dict(message.progress)
             return
         self._tracker.heard(rank, now, steps=message.steps)
-        if state is None:  # pragma: no cover - not a rank of this group
-            self._on_discard(message.result)
-            return
         state.pump.deliver(message)
 
     def _on_discard(self, payload: Any) -> None:
         """A payload nobody takes; backends whose payloads hold resources override this."""
 
-    async def _watch_exit(self, rank: int) -> None:
-        """Fail the group the moment a rank's process exits (while it should be running)."""
+    async def _watch_exit(self, state: _Rank) -> None:
+        """Fail the group (data parallel: restart the rank's group) the moment a rank's
+        process exits while it should be running."""
+        rank = state.rank
         code = await self.transport.wait_exited(rank)
-        state = self._ranks[rank]
         state.exited, state.exit_code = True, code
         state.gone.set()
-        if self._closing:
+        if self._closing or state.lost:
             return
         pid = state.pid
-        self._fail_group(
+        self._rank_failed(
+            state,
             WorkerError(
                 f"process {pid} died ({exit_status(code)})", worker=rank, error_type="WorkerDied"
-            )
+            ),
         )
 
     async def _monitor(self) -> None:
@@ -464,9 +496,161 @@ class GroupExecutor(Executor):
         while True:
             await trio.sleep(tracker.poll_s)
             verdict = tracker.check(trio.current_time())
-            if verdict is not None:
-                self._fail_group(verdict)
-                return
+            if verdict is None:
+                continue
+            rank = tracker.verdict_rank
+            state = self._ranks.get(rank) if rank is not None else None
+            if state is not None and self._rank_failed(state, verdict):
+                continue  # that rank's group restarts; the others go on
+            return
+
+    # -- data parallel: one rank group restarts while the others serve -------------------
+
+    def _rank_failed(self, state: _Rank, error: BaseException) -> bool:
+        """Rank ``state`` failed (died, hung, lost its channel): with data-parallel ranks,
+        its replica group alone is written off and restarted while the other groups serve
+        (True); otherwise, or when no other group is up, or past ``max_worker_restarts``
+        restarts of that group in ``worker_restart_window_s``, the whole group fails closed
+        (False)."""
+        if state.lost:
+            return True
+        if self._dp is None or self._closing or self._dead_reason is not None:
+            self._fail_group(error)
+            return False
+        group = state.rank // self._group_size
+        if group in self._down:
+            return True
+        config = self.config
+        now = trio.current_time()
+        recent = [
+            t
+            for t in self._restart_times.get(group, [])
+            if now - t < config.worker_restart_window_s
+        ]
+        others_up = [g for g in self._dp.ranks_up if g != group]
+        if not others_up or len(recent) >= config.max_worker_restarts:
+            self._fail_group(error)
+            return False
+        self._restart_times[group] = [*recent, now]
+        self._lose_group(group, error)
+        return True
+
+    def _group_ranks(self, group: int) -> range:
+        return range(group * self._group_size, (group + 1) * self._group_size)
+
+    def _lose_group(self, group: int, error: BaseException) -> None:
+        """Write replica group ``group`` off: no share goes to it, its pumps fail (the wave
+        in flight on it comes back lost, its announced outputs are lost), its ranks are
+        killed; a task restarts it."""
+        assert self._dp is not None and self._ranks_nursery is not None
+        log.warning(
+            "data-parallel worker group %d failed (%s: %s): restarting it while the others serve",
+            group,
+            type(error).__name__,
+            error,
+        )
+        self._down[group] = error
+        self._all_up = trio.Event()
+        reason = f"{type(error).__name__}: {error}"
+        self._lost_ids.update(dict.fromkeys(self._dp.down(group), reason))
+        lost = RankLostError(f"data-parallel worker group {group} failed: {error}")
+        ranks = self._group_ranks(group)
+        self._tracker.pardon(ranks)
+        for rank in ranks:
+            state = self._ranks[rank]
+            state.lost = True
+            state.pump.fail(lost)
+            self._kill(rank)
+        self._ranks_nursery.start_soon(self._restart_group, group)
+
+    async def _restart_group(self, group: int) -> None:
+        """Wait until the lost group's processes are gone, start its ranks again (with a
+        fresh rendezvous for a CFG pair), and give it shares again.  A failed start fails
+        the whole group."""
+        config = self.config
+        ranks = self._group_ranks(group)
+        old = [self._ranks[rank] for rank in ranks]
+        began = trio.current_time()
+        try:
+            with trio.fail_after(KILL_WAIT_S):
+                for state in old:
+                    if not state.exited:
+                        await self._wait_one_state(state)
+            dist: dict[int, str | None] = dict.fromkeys(ranks)
+            if self._group_size > 1 and config.cfg_parallel:
+                address = await self._rendezvous(ranks[0], set())
+                dist = dict.fromkeys(ranks, address)
+            await self.transport.replace_ranks(ranks)
+            for rank in ranks:
+                pump = ResultPump(worker=rank, on_discard=self._on_discard)
+                self._ranks[rank] = _Rank(rank, pump)
+            assert self._wire is not None and self._ranks_nursery is not None
+            nursery = self._ranks_nursery
+            n, dp = config.num_workers, config.data_parallel_size
+            with trio.fail_after(config.worker_start_timeout_s):
+                async with trio.open_nursery() as starters:
+                    for rank in ranks:
+                        init = RankInit(rank, n, self._wire, dist[rank], dp)
+                        starters.start_soon(self._restart_rank, nursery, init)
+        except Exception as exc:  # (trio.TooSlowError included)
+            if not self._closing:
+                self._fail_group(
+                    WorkerError(
+                        f"data-parallel worker group {group} did not start again: {exc!r}",
+                        worker=ranks[0],
+                        error_type="WorkerRestartFailed",
+                    )
+                )
+            return
+        if self._closing or self._dead_reason is not None:
+            return
+        now = trio.current_time()
+        self._tracker.resume(ranks, now)
+        for rank in ranks:
+            nursery.start_soon(self._watch_exit, self._ranks[rank])
+        del self._down[group]
+        assert self._dp is not None
+        self._dp.up(group)
+        if not self._down:
+            self._all_up.set()
+        self.rank_restarts += 1
+        log.warning(
+            "data-parallel worker group %d serves again (restarted in %.2f s)", group, now - began
+        )
+
+    async def _restart_rank(self, nursery: trio.Nursery, init: RankInit) -> None:
+        self._ranks[init.rank].started = await nursery.start(self._serve_rank, init)
+
+    async def _wait_one_state(self, state: _Rank) -> None:
+        code = await self.transport.wait_exited(state.rank)
+        state.exited = True
+        if state.exit_code is None:
+            state.exit_code = code
+        state.gone.set()
+
+    def _take_lost(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[SchedulerOutput, dict[str, str]]:
+        """The rows of ``scheduler_output`` that go on from state that died with a lost
+        group (step mode: a request pinned there, scheduled again as a cached row): taken
+        out, to be reported lost, with how.  (A new row starts from step 0: nothing lost.)"""
+        lost = self._lost_ids
+        if not lost:
+            return scheduler_output, {}
+        for rid in scheduler_output.finished_req_ids:
+            lost.pop(rid, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            lost.pop(new.request_id, None)
+        rows = {rid: lost.pop(rid) for rid in scheduler_output.scheduled_cached_reqs if rid in lost}
+        if not rows:
+            return scheduler_output, {}
+        kept = dataclasses.replace(
+            scheduler_output,
+            scheduled_cached_reqs=tuple(
+                rid for rid in scheduler_output.scheduled_cached_reqs if rid not in rows
+            ),
+        )
+        return kept, rows
 
     def _fail_group(self, error: BaseException) -> None:
         """Fail closed: remember why, fail every pending call and output, kill every rank
@@ -478,6 +662,7 @@ class GroupExecutor(Executor):
         if not first:
             return
         log.warning("worker group failed: %s: %s", type(error).__name__, error)
+        self._all_up.set()  # nothing waits for a group restart any more
         for state in self._ranks.values():
             state.pump.fail(error)
         for rank in self._ranks:
@@ -547,6 +732,7 @@ class GroupExecutor(Executor):
         self._closed = True
         with trio.CancelScope(shield=True):
             closed = EngineClosedError("executor is closed")
+            self._all_up.set()
             for state in self._ranks.values():
                 state.pump.fail(closed)
             if self._group_scope is not None:
@@ -586,6 +772,11 @@ class GroupExecutor(Executor):
         parallel): only those ranks are called, each with its own ``args``; ``reply_ranks``
         (data-parallel CFG pairs): each rank's own ``reply_rank``."""
         self._check_usable()
+        if per_rank is None and not self._all_up.is_set():
+            # Every rank is asked: wait for a data-parallel group that restarts.
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                await self._all_up.wait()
+            self._check_usable()
         rpc_id = f"{self._tag}-{next(self._ids)}"
         ranks = sorted(self._ranks) if per_rank is None else sorted(per_rank)
         states = [self._ranks[rank] for rank in ranks]
@@ -627,12 +818,18 @@ class GroupExecutor(Executor):
         replies: dict[int, AsyncOutput] = {}
         failed_by_rank: dict[int, WorkerError] = {}
         errors: list[Exception] = []
+        lost: list[int] = []
 
         async def wait_reply(state: _Rank) -> None:
             # Every rank's reply is awaited at once: a rank that answered leaves the call
             # (its liveness clock stops) however long the others take.
             try:
                 replies[state.rank] = await state.pump.wait_rpc(rpc_id, math.inf)
+            except RankLostError as exc:
+                if self._dead_reason is not None:
+                    errors.append(exc)
+                else:
+                    lost.append(state.rank)  # its group restarts; the others' replies count
             except WorkerError as exc:
                 if self._dead_reason is not None:
                     errors.append(exc)
@@ -674,12 +871,54 @@ class GroupExecutor(Executor):
             self._tracker.call_ended(in_call)
             for state in states:
                 state.pump.forget_rpc(rpc_id)
+        if lost and per_rank is None:
+            # A call to every rank: the ranks restarted in place of those lost get it anew.
+            again = await self._call_replacements(
+                method, args, kwargs, sorted(lost), reply_rank, timeout, with_rpc_id
+            )
+            replies.update(again)
         failed = [failed_by_rank[rank] for rank in ranks if rank in failed_by_rank]
         if failed:
             failure = _rank_failures(method, failed)
             if failure.fatal:  # a rank is broken itself (a device fault): replace the group
                 self._fail_group(failure)
             raise failure
+        return replies
+
+    async def _call_replacements(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any] | None,
+        ranks: Sequence[int],
+        reply_rank: int | None,
+        timeout: float | None,
+        with_rpc_id: bool,
+    ) -> dict[int, AsyncOutput]:
+        """A call to every rank lost ``ranks`` (their data-parallel group died before they
+        answered): once they are back (within ``timeout``), the ranks started in their place,
+        which never ran it, are called; lost again, the call fails (``WorkerDied``)."""
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self._all_up.wait()
+        if not self._all_up.is_set():
+            back = f"rank(s) {list(ranks)} not back within {timeout} s"
+            raise StallError("rpc", f"{method!r}: {back}")
+        replies = await self._call(
+            method,
+            args,
+            kwargs,
+            reply_rank=reply_rank,
+            timeout=timeout,
+            with_rpc_id=with_rpc_id,
+            per_rank={rank: tuple(args) for rank in ranks},
+        )
+        missing = [rank for rank in ranks if rank not in replies]
+        if missing:
+            raise WorkerError(
+                f"{method!r}: rank(s) {missing} died twice before they answered",
+                worker=missing[0],
+                error_type="WorkerDied",
+            )
         return replies
 
     async def _withdraw(
@@ -754,9 +993,10 @@ class GroupExecutor(Executor):
         reply ends as any missing output does (``MissingOutputError``).  If the call fails
         before it ran (a payload that cannot be sent, a cancellation), the finished ids the
         shares carried are delivered again with the next call."""
+        scheduler_output, lost_rows = self._take_lost(scheduler_output)
         shares = router.split(scheduler_output)
         if not shares:
-            return BatchRunnerOutput()
+            return self._with_lost({}, lost_rows)
         size = self._group_size
         # Each group's share goes to every rank of the group; its first rank ships the
         # results (a CFG pair's second rank answers with none).
@@ -765,6 +1005,7 @@ class GroupExecutor(Executor):
             for leader, share in shares.items()
             for member in range(size)
         }
+        at_call = {rank: self._ranks[rank] for rank in per_rank}
         try:
             replies = await self._call(
                 method,
@@ -785,7 +1026,16 @@ class GroupExecutor(Executor):
         merged: dict[str, RunnerOutput] = {}
         for group in sorted(shares):
             rank = group * size  # the group's output rank
-            reply, share = replies[rank], shares[group]
+            share, state = shares[group], at_call[rank]
+            reply = replies.get(rank)
+            if reply is None or state.lost:  # the group was lost while it ran its share
+                if reply is not None:
+                    self._on_discard(reply.result)
+                reason = self._lost_reason(group)
+                for rid in share.scheduled_request_ids:
+                    lost_rows[rid] = reason
+                    self._lost_ids.pop(rid, None)  # reported now, once
+                continue
             result = reply.result
             expected = set(share.scheduled_request_ids)
             if not isinstance(result, BatchRunnerOutput) or set(result.request_ids) - expected:
@@ -796,12 +1046,23 @@ class GroupExecutor(Executor):
                 self._fail_group(error)
                 raise EngineDeadError(str(error)) from error
             if reply.kind is AsyncOutputKind.COMPUTE_DONE:
-                register_async_outputs(self._ranks[rank].pump, result)
+                register_async_outputs(state.pump, result)
             for output in result:
-                if output.async_output_id and rank:
-                    self._output_ranks[output.async_output_id] = rank
+                if output.async_output_id:
+                    self._output_ranks[output.async_output_id] = state
                 merged[output.request_id] = output
-        return BatchRunnerOutput(merged)
+        return self._with_lost(merged, lost_rows)
+
+    def _lost_reason(self, group: int) -> str:
+        error = self._down.get(group)
+        return f"{type(error).__name__}: {error}" if error is not None else "its worker died"
+
+    @staticmethod
+    def _with_lost(merged: dict[str, RunnerOutput], lost: Mapping[str, str]) -> BatchRunnerOutput:
+        if not lost:
+            return BatchRunnerOutput(merged)
+        reasons = "; ".join(dict.fromkeys(lost.values()))
+        return BatchRunnerOutput(merged, lost=frozenset(lost), lost_error=reasons)
 
     async def execute_batch(self, scheduler_output: SchedulerOutput) -> BatchRunnerOutput:
         return await self._execute("execute_scheduler_output", scheduler_output)
@@ -827,7 +1088,9 @@ class GroupExecutor(Executor):
     # -- async outputs: each from the pump of the rank that announced it ----------------
 
     def _pump_of(self, async_output_id: str) -> ResultPump:
-        return self._ranks[self._output_ranks.get(async_output_id, 0)].pump
+        # (A rank since written off answers with its failure: the output is lost.)
+        state = self._output_ranks.get(async_output_id)
+        return (state or self._ranks[0]).pump
 
     async def wait_output(self, async_output_id: str) -> RunnerOutput:
         try:
@@ -881,10 +1144,17 @@ class GroupExecutor(Executor):
             state = self._ranks.get(0)
             return state.progress.get(request_id) if state is not None else None
         for state in self._ranks.values():  # data parallel: whichever rank runs it
+            if state.lost:
+                continue
             found = state.progress.get(request_id)
             if found is not None:
                 return found
         return None
+
+    def holder_of(self, request_id: str) -> int | None:
+        """Data parallel: the replica group (its index) holding a live request (given it,
+        running it); None if none holds it or without data parallel."""
+        return self._dp.holder(request_id) if self._dp is not None else None
 
     def leftovers(self) -> dict[str, set[str]]:
         held: dict[str, set[str]] = {}
@@ -909,7 +1179,9 @@ class GroupExecutor(Executor):
                 out.append(entry)
                 continue
             status = entry.state
-            if state.exited and status is WorkerStatus.RUNNING:
+            if status is WorkerStatus.RUNNING and entry.rank // self._group_size in self._down:
+                status = WorkerStatus.RESTARTING  # its data-parallel group restarts
+            elif state.exited and status is WorkerStatus.RUNNING:
                 status = WorkerStatus.FAILED
             steps = self._tracker.steps_of(entry.rank)
             out.append(WorkerState(entry.rank, status, pid=state.pid, steps=steps))
@@ -933,6 +1205,11 @@ class GroupExecutor(Executor):
         """rank -> the host each worker runs on (where the backend knows it)."""
         nodes = {r: s.started.node for r, s in self._ranks.items() if s.started is not None}
         return {r: node for r, node in nodes.items() if node is not None}
+
+
+class RankLostError(EngineDeadError):
+    """A data-parallel rank group was written off (it restarts while the others serve):
+    what was pending on its ranks is lost, and runs again."""
 
 
 def _sole_cancelled(exc: BaseException) -> trio.Cancelled | None:

@@ -299,6 +299,10 @@ class RayTransport(Transport):
         self.placement_group: Any = None
         self.owns_placement_group = False
         self._bundle_indexes: list[int] = []
+        # What a rank's actor is made from (``replace_ranks`` makes a new one), and how
+        # many times each rank's actor was replaced (a new actor needs a new name).
+        self._make_actor: Callable[[int], Any] | None = None
+        self._replaced: dict[int, int] = {}
 
     # -- awaiting Ray from trio ---------------------------------------------------------
 
@@ -349,10 +353,14 @@ class RayTransport(Transport):
         try:
             await self._reserve(ray, config, bundle)
             wire = wire_config(config)
-            for rank in range(n):
+
+            def make_actor(rank: int) -> Any:
                 options = self._actor_options(config, rank, bundle)
-                actor = actor_class.options(**options).remote(wire, rank, n)
-                self._links[rank] = _ActorLink(rank, actor)
+                return actor_class.options(**options).remote(wire, rank, n)
+
+            self._make_actor = make_actor
+            for rank in range(n):
+                self._links[rank] = _ActorLink(rank, make_actor(rank))
             yield
         finally:
             # The executor stopped or killed every started rank; an actor that never
@@ -440,8 +448,10 @@ class RayTransport(Transport):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = "GPU" in bundle
+        replaced = self._replaced.get(rank, 0)
+        name = f"omni-trio-worker-{rank}-{self._tag}" + (f"-{replaced}" if replaced else "")
         return {
-            "name": f"omni-trio-worker-{rank}-{self._tag}",
+            "name": name,
             "num_cpus": 0 if gpu else 1,
             "num_gpus": 1 if gpu else 0,
             "max_restarts": 0,
@@ -452,6 +462,15 @@ class RayTransport(Transport):
             ),
             "runtime_env": {"env_vars": actor_env(os.environ, config.resolved_torch_threads)},
         }
+
+    async def replace_ranks(self, ranks: Sequence[int]) -> None:
+        """A new actor for each of ``ranks`` (whose actors are gone), in the same bundle."""
+        assert self._make_actor is not None
+        for rank in ranks:
+            self._kill_link(self._links[rank])
+            self._replaced[rank] = self._replaced.get(rank, 0) + 1
+            with secrets_hidden():
+                self._links[rank] = _ActorLink(rank, self._make_actor(rank))
 
     # -- one rank -----------------------------------------------------------------------
 

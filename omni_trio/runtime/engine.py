@@ -525,6 +525,12 @@ class AsyncEngine:
         """(steps done, total steps) of a running request, where the backend tracks it."""
         return self.executor.progress(request_id)
 
+    def step_times(self) -> dict[int, float]:
+        """Seconds one denoising step of one image takes, by pixels per image, as measured
+        on this engine's dispatches (``EngineCore.step_times``; empty before any).  No
+        checkpoint."""
+        return self.core.step_times
+
     def queue_position(self, request_id: str) -> int | None:
         """Waiting requests that start before this waiting one (0: it is next; None when
         it is not waiting).  No checkpoint; O(waiting)."""

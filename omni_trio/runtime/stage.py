@@ -625,6 +625,11 @@ class StageEngine:
         known = self._state["requests"].get(request_id)
         return None if known is None else known[1]
 
+    def step_times(self) -> dict[int, float]:
+        """As :meth:`AsyncEngine.step_times`, at the stage's latest snapshot."""
+        stats: EngineStatistics = self._state["statistics"]
+        return dict(stats.step_time_s)
+
     def queue_position(self, request_id: str) -> int | None:
         known = self._state["requests"].get(request_id)
         return None if known is None else known[2]

@@ -57,6 +57,10 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_tick_seconds{replica}             histogram: step mode's ticks (one denoising
                                                 step of every request in it), dispatch to
                                                 result; none in request mode
+    omni_trio_step_seconds{replica,pixels}      one denoising step of one image at that size
+                                                (pixels per image), as the replica's engine
+                                                measured it (a moving average): what the
+                                                admission estimates weigh a step by
     omni_trio_requests_moved_total{reason}      requests moved to another replica before any
                                                 chunk reached the client: replica_died, or
                                                 workers_restarting (its worker group failed)
@@ -210,6 +214,11 @@ class _PoolCollector(Collector):
             "Step mode: each tick (one denoising step of every request in it), dispatch to result",
             labels=["replica"],
         )
+        step_seconds = GaugeMetricFamily(
+            "omni_trio_step_seconds",
+            "One denoising step of one image, by pixels per image, as measured (moving average)",
+            labels=["replica", "pixels"],
+        )
         sleep_state = GaugeMetricFamily(
             "omni_trio_sleep_state",
             "1 for each replica's sleep state (awake, falling_asleep, asleep, waking)",
@@ -238,6 +247,8 @@ class _PoolCollector(Collector):
                 _add_cancel_latency(cancel, label, stats)
                 _add_ticks(ticks, label, stats)
                 wasted.add_metric(label, stats.get("wasted_steps", 0))
+                for pixels, seconds in stats.get("step_time_s", ()):
+                    step_seconds.add_metric([*label, str(pixels)], seconds)
                 waiting += stats["waiting"]
                 running += stats["running"]
                 requeued.add_metric(label, stats.get("requeued", 0))
@@ -283,6 +294,7 @@ class _PoolCollector(Collector):
         yield cancel
         yield wasted
         yield ticks
+        yield step_seconds
         yield packing
         yield workers
         yield sleep_state

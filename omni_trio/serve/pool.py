@@ -158,18 +158,27 @@ def _window_span(events: deque[Any], now: float, window_s: float) -> float | Non
     return span if span > 0 else None
 
 
+def flat_weight(pixels: int) -> float:
+    """The weight of a denoising step before any step time is measured: 1 at every size."""
+    return 1.0
+
+
 class ServiceRate:
-    """Requests completed per second, and work (denoising steps x images) completed per
-    second, measured over the last ``window`` completions of the last ``window_s``
-    seconds.  Pure: the caller passes the time."""
+    """Requests completed per second, and work completed per second, measured over the last
+    ``window`` completions of the last ``window_s`` seconds.  A request's work is its
+    denoising steps x images, each step weighted by its size's ``weight(pixels)`` (given
+    when the rate is asked: the seconds one step of one image takes at that size, as last
+    measured, so completions measured before and after a new weight stay comparable).
+    Pure: the caller passes the time."""
 
     def __init__(self, window: int = RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
-        self._done: deque[tuple[float, float]] = deque(maxlen=window)
+        self._done: deque[tuple[float, float, int]] = deque(maxlen=window)
         self._window_s = window_s
 
-    def record(self, now: float, work: float = 1.0) -> None:
-        """One request of ``work`` completed at ``now``."""
-        self._done.append((now, work))
+    def record(self, now: float, work: float = 1.0, pixels: int = 1) -> None:
+        """One request of ``work`` (steps x images) of ``pixels`` per image completed at
+        ``now``."""
+        self._done.append((now, work, pixels))
 
     def _span(self, now: float) -> float | None:
         return _window_span(self._done, now, self._window_s)
@@ -181,13 +190,15 @@ class ServiceRate:
         span = self._span(now)
         return None if span is None else (len(self._done) - 1) / span
 
-    def work_rate(self, now: float) -> float | None:
-        """Work completed per second, measured the same way (the completions after the
-        first in the window over the time since it); None as :meth:`rate`."""
+    def work_rate(self, now: float, weight: Callable[[int], float] = flat_weight) -> float | None:
+        """Work completed per second, each step weighted by ``weight(pixels)``, measured the
+        same way (the completions after the first in the window over the time since it);
+        None as :meth:`rate`."""
         span = self._span(now)
         if span is None:
             return None
-        return sum(work for _, work in itertools.islice(self._done, 1, None)) / span
+        later = itertools.islice(self._done, 1, None)
+        return sum(work * weight(px) for _, work, px in later) / span
 
 
 def request_work(params: SamplingParams) -> float:
@@ -207,23 +218,32 @@ class ArrivalLog:
     a given policy would run before an earlier one.  Pure: the caller passes the time."""
 
     def __init__(self, window: int = 4 * RATE_WINDOW, window_s: float = RATE_WINDOW_S) -> None:
-        self._arrivals: deque[tuple[float, int, Hashable, float]] = deque(maxlen=window)
+        self._arrivals: deque[tuple[float, int, Hashable, float, int]] = deque(maxlen=window)
         self._window_s = window_s
 
-    def record(self, now: float, priority: int, klass: Hashable, work: float = 1.0) -> None:
-        """A request of ``priority``, class ``klass`` and ``work`` was admitted at ``now``."""
-        self._arrivals.append((now, priority, klass, work))
+    def record(
+        self, now: float, priority: int, klass: Hashable, work: float = 1.0, pixels: int = 1
+    ) -> None:
+        """A request of ``priority``, class ``klass``, ``work`` (steps x images) and
+        ``pixels`` per image was admitted at ``now``."""
+        self._arrivals.append((now, priority, klass, work, pixels))
 
-    def rate(self, now: float, counts: Callable[[int, Hashable], bool]) -> float:
-        """Work admitted per second in the requests for which ``counts(priority, klass)``
-        holds (0.0 with fewer than two in the window), measured as :class:`ServiceRate`
-        measures completions: the ones after the first in the window over the time since
-        it.  The time since the last one counts, so a burst that ended decays."""
+    def rate(
+        self,
+        now: float,
+        counts: Callable[[int, Hashable], bool],
+        weight: Callable[[int], float] = flat_weight,
+    ) -> float:
+        """Work admitted per second (weighted as :meth:`ServiceRate.work_rate` weighs it) in
+        the requests for which ``counts(priority, klass)`` holds (0.0 with fewer than two in
+        the window), measured as :class:`ServiceRate` measures completions: the ones after
+        the first in the window over the time since it.  The time since the last one
+        counts, so a burst that ended decays."""
         span = _window_span(self._arrivals, now, self._window_s)
         if span is None:
             return 0.0
         later = itertools.islice(self._arrivals, 1, None)
-        return sum(work for _, p, klass, work in later if counts(p, klass)) / span
+        return sum(work * weight(px) for _, p, klass, work, px in later if counts(p, klass)) / span
 
 
 class OpenTime:
@@ -614,6 +634,9 @@ class EnginePool:
         self.max_queue_wait_s = max_queue_wait_s
         self._service = ServiceRate()
         self._arrivals = ArrivalLog()
+        # The weight of one denoising step of one image by its pixels (step_weight()),
+        # refreshed at each estimate.
+        self._weight: Callable[[int], float] = flat_weight
         self._open_time = OpenTime()
         # How long a replica's worker group takes to restart (failure seen -> ready again).
         self._group_restart_time = OpenTime()
@@ -895,7 +918,7 @@ class EnginePool:
                 engine.abort
             ):
                 self._restart_waits.pop(stream.engine_request_id, None)
-                queued[stream.replica] += stream.work
+                queued[stream.replica] += stream.work * self._weight(stream.pixels)
                 moved += 1
         return moved
 
@@ -988,7 +1011,9 @@ class EnginePool:
             pixels=self._pixels_of(params),
         )
         self._active[rid] = stream
-        self._arrivals.record(trio.current_time(), params.priority, klass, stream.work)
+        self._arrivals.record(
+            trio.current_time(), params.priority, klass, stream.work, stream.pixels
+        )
         wait = self.restart_wait_s
         if (
             restarting
@@ -1011,10 +1036,39 @@ class EnginePool:
         completions of the last :data:`RATE_WINDOW_S` seconds (None: too few measured)."""
         return self._service.rate(trio.current_time())
 
+    def step_weight(self) -> Callable[[int], float]:
+        """``weight(pixels)``: how long one denoising step of one image takes at that size
+        (pixels per image), as the replicas' engines measured it (the mean of theirs);
+        a size not measured yet is scaled from the nearest one measured by its pixel count;
+        before any is measured every step weighs 1 (the estimates then count steps).  The
+        pool's estimates weigh every step by it, so a queue of large images is not taken for
+        one of small ones."""
+        measured: dict[int, list[float]] = {}
+        for replica in self._replicas:
+            engine = replica.engine
+            if engine is None:
+                continue
+            for pixels, seconds in engine.step_times().items():
+                measured.setdefault(pixels, []).append(seconds)
+        if not measured:
+            return flat_weight
+        table = {px: sum(times) / len(times) for px, times in measured.items()}
+
+        def weight(pixels: int) -> float:
+            known = table.get(pixels)
+            if known is not None:
+                return known
+            nearest = min(table, key=lambda px: (abs(math.log(px / max(1, pixels))), px))
+            return table[nearest] * max(1, pixels) / nearest
+
+        return weight
+
     def work_rate(self) -> float | None:
-        """Work (denoising steps x images) the pool completed per second, over the same
-        window as :meth:`service_rate` (None: too few measured)."""
-        return self._service.work_rate(trio.current_time())
+        """Work the pool completed per second, over the same window as
+        :meth:`service_rate` (None: too few measured): denoising steps x images, each step
+        weighted by :meth:`step_weight` (so, once measured, in seconds of steps per second)."""
+        self._weight = self.step_weight()
+        return self._service.work_rate(trio.current_time(), self._weight)
 
     def estimated_wait_s(self) -> float | None:
         """How long a request admitted now would wait behind the requests in flight (the
@@ -1116,9 +1170,13 @@ class EnginePool:
         return own_work * sharing / work_rate
 
     def _work_left(self, stream: PooledStream) -> float:
-        """What ``stream``'s request has left to do: its work, less the share of its steps
-        done where its engine tracks them; nothing once its engine is done with it (its
-        consumer has not read the end yet)."""
+        """:meth:`_steps_left` weighted by the step time of its size."""
+        return self._steps_left(stream) * self._weight(stream.pixels)
+
+    def _steps_left(self, stream: PooledStream) -> float:
+        """What ``stream``'s request has left to do: its steps x images, less the share of
+        its steps done where its engine tracks them; nothing once its engine is done with
+        it (its consumer has not read the end yet)."""
         engine = self._replicas[stream.replica].engine
         if engine is not None and engine.status(stream.engine_request_id) is None:
             return 0.0
@@ -1132,8 +1190,10 @@ class EnginePool:
         self, params: SamplingParams, klass: Hashable, work_rate: float
     ) -> tuple[float, float]:
         """``(wait, run)``: how long a request admitted now would wait, and then run, at
-        the measured rate of work (denoising steps x images completed per second: a
-        16-step request counts four times a 4-step one, and one half done half).
+        the measured rate of work (denoising steps x images completed per second, each
+        step weighted by the time a step takes at its size, :meth:`step_weight`: a 16-step
+        request counts four times a 4-step one, one half done half, and a step of a size
+        measured four times slower four times one of the faster size).
 
         ``fifo``: it waits for the work left in every request in flight, and runs its
         own beside the others running (:meth:`_run_s`).
@@ -1149,42 +1209,51 @@ class EnginePool:
         deals turns of equal cost (pixels x steps), so for each of its own steps a class
         of ``p`` pixels per image gets ``own pixels / p`` steps; while some wait, later
         arrivals of other classes take turns too, but its class gets at least its turn
-        among the classes in flight (its cost-weighted share of the steps,
-        ``(1 / own pixels) / sum(1 / p)``), which bounds its wait.
+        among the classes in flight (its share of the time under turns of equal cost,
+        ``(w(own) / own pixels) / sum(w(p) / p)`` with ``w`` the step weight), which
+        bounds its wait.
 
         The rate is a measured throughput, not a capacity: on a pool that keeps up,
         nothing waits and no share is taken out."""
         policy = self.engine_config.scheduling_policy
         now = trio.current_time()
-        own_work = request_work(params)
+        weight = self._weight
+        own_px = self._pixels_of(params)
+        own_steps = request_work(params)
+        own_work = own_steps * weight(own_px)
         if policy == "fair":
-            own_px = self._pixels_of(params)
-            own = 0.0
-            others: dict[Hashable, list[float]] = {}  # class -> [work left, pixels]
+            own = 0.0  # steps left in its own class
+            others: dict[Hashable, list[float]] = {}  # class -> [steps left, pixels]
             for stream in self._active.values():
-                left = self._work_left(stream)
+                left = self._steps_left(stream)
                 if stream.klass == klass:
                     own += left
                 else:
                     others.setdefault(stream.klass, [0.0, stream.pixels])[0] += left
-            turns = own + own_work
-            ahead = own + sum(min(work, turns * own_px / px) for work, px in others.values())
+            turns = own + own_steps
+            own_time = own * weight(own_px)
+            ahead = own_time + sum(
+                min(steps, turns * own_px / px) * weight(int(px)) for steps, px in others.values()
+            )
             rho = 0.0
             if self._any_waiting():
-                rho = self._arrivals.rate(now, lambda _, c: c != klass) / work_rate
-            # (Its class gets at least its turn among the classes in flight.)
-            own_share = (1 / own_px) / (1 / own_px + sum(1 / px for _, px in others.values()))
+                rho = self._arrivals.rate(now, lambda _, c: c != klass, weight) / work_rate
+            # (Its class gets at least its turn among the classes in flight: turns of equal
+            # cost, so its share of the time is its steps' time per pixel over everyone's.)
+            per_px = weight(own_px) / own_px
+            own_share = per_px / (per_px + sum(weight(int(px)) / px for _, px in others.values()))
             share = max(1 - min(rho, MAX_PASSING_SHARE), own_share)
             run = self._run_s(own_work, work_rate)
             wait = ahead / (work_rate * share)
-            share_bound = own / (work_rate * own_share)
+            share_bound = own_time / (work_rate * own_share)
             return min(wait, share_bound), run / share
         if policy == "priority":
             ahead_streams, waiting = self._ahead_of(params)
             rho = 0.0
             if waiting:
                 own_priority = params.priority
-                rho = self._arrivals.rate(now, lambda p, _: p < own_priority) / work_rate
+                passing = self._arrivals.rate(now, lambda p, _: p < own_priority, weight)
+                rho = passing / work_rate
             share = 1 - min(rho, MAX_PASSING_SHARE)
             ahead = sum(map(self._work_left, ahead_streams))
             return ahead / (work_rate * share), self._run_s(own_work, work_rate) / share
@@ -1295,7 +1364,7 @@ class EnginePool:
         if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
             return
         if stream.completed:
-            self._service.record(trio.current_time(), stream.work)
+            self._service.record(trio.current_time(), stream.work, stream.pixels)
         del self._active[rid]
         self._restart_waits.pop(rid, None)
         self._replicas[stream.replica].in_flight -= 1

@@ -109,6 +109,49 @@ def test_forget_unpins() -> None:
     assert router.pinned == {"b": 1}
 
 
+def test_a_rank_down_gets_no_share_and_what_it_held_is_handed_back() -> None:
+    """Request mode: a wave is dealt round-robin over the ranks up; a rank that goes down
+    hands back the ids it held (their state died with it) and hears of no finished id."""
+    router = DataParallelRouter(3, step_mode=False)
+    router.split(out(1, ("a", "b", "c")))  # a->0, b->1, c->2
+    assert router.down(2) == {"c"} and router.holder("c") is None
+    assert router.down(2) == frozenset()  # already down: nothing more
+    assert router.ranks_up == (0, 1)
+    shares = router.split(out(5, ("e", "f", "g")))
+    assert rows(shares) == {0: ("e", "g"), 1: ("f",)}
+    router.up(2)
+    assert router.ranks_up == (0, 1, 2)
+    assert rows(router.split(out(6, ("h", "i", "j")))) == {0: ("h",), 1: ("i",), 2: ("j",)}
+
+
+def test_a_rank_down_drops_its_undelivered_finished_ids_and_redelivery_skips_it() -> None:
+    router = DataParallelRouter(2, step_mode=False)
+    router.split(out(1, ("a", "b")))
+    failed = router.split(out(2, ("c",), done=("a", "b")))  # not run: to be redelivered
+    router.down(1)
+    router.redeliver(failed)
+    assert router.undelivered(1) == frozenset()  # the restarted rank never held "b"
+    assert router.undelivered(0) == {"a"}
+
+
+def test_step_mode_places_new_rows_only_on_ranks_up() -> None:
+    router = DataParallelRouter(2, step_mode=True)
+    router.split(out(1, ("a", "b")))  # a->0, b->1
+    assert router.down(1) == {"b"}
+    # Rank 1 would be the lighter one; it is down.
+    assert rows(router.split(out(2, ("c",), cached=("a",)))) == {0: ("c", "a")}
+    router.up(1)
+    assert rows(router.split(out(3, ("d",), cached=("a", "c")))) == {0: ("a", "c"), 1: ("d",)}
+
+
+def test_the_last_rank_up_cannot_go_down() -> None:
+    router = DataParallelRouter(2, step_mode=True)
+    router.down(0)
+    with pytest.raises(ValueError, match="last"):
+        router.down(1)
+    assert router.ranks_up == (1,)
+
+
 @pytest.mark.parametrize("size", [0, -1, True, 1.5])
 def test_a_bad_size_is_refused(size: object) -> None:
     with pytest.raises(ValueError, match="positive integer"):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from omni_trio._core import engine_core as engine_core_module
 from omni_trio._core.engine_core import (
     PAYLOAD_REJECTED,
     QUARANTINED,
@@ -403,6 +404,49 @@ def test_a_group_failure_requeues_running_and_packing_requests_in_order() -> Non
     core.group_started(INFO, 4.0)
     assert core.health().healthy and core.health().restarts == 1
     assert schedule(core, 4.0).scheduled_request_ids == ("p",)
+    assert_clean(core, trace)
+
+
+@pytest.mark.parametrize("step_execution", [False, True])
+def test_rows_lost_with_their_data_parallel_rank_run_again_and_the_rest_apply(
+    step_execution: bool,
+) -> None:
+    """A data-parallel rank died under part of a wave while the others served: the result
+    reports those rows lost; each still running goes back to the front of the queue (from
+    step 0, a retry counted, a suspect from now on) while the other rows apply as usual and
+    the group stays RUNNING.  A lost row aborted meanwhile is not run again; a row lost
+    twice is quarantined, as after two group failures."""
+    core, trace = make(
+        max_num_seqs=4, max_retries_on_worker_failure=1, step_execution=step_execution
+    )
+    for rid in ("a", "b", "c", "d"):
+        admit(core, rid, num_inference_steps=1)
+    sched = schedule(core)
+    assert set(sched.scheduled_request_ids) == {"a", "b", "c", "d"}
+    core.abort(["c"], 1.5)
+    ok = RunnerOutput("a", images=["img"], step_index=1, finished=True)
+    out = core.runner_output(
+        sched, BatchRunnerOutput({"a": ok}, lost=frozenset({"b", "c", "d"}), lost_error="gone"), 2.0
+    )
+    assert terminals(out) == {"a": S.FINISHED_COMPLETED}
+    assert core.group is GroupState.RUNNING and core.health().healthy
+    assert [core.status_of(r) for r in ("b", "c", "d")] == [S.PREEMPTED, None, S.PREEMPTED]
+    assert core.statistics().requeued == 2
+    lost = [e for e in trace if e.kind is K.EXEC_RESULT and e.detail["outcome"] == "lost"]
+    assert {e.request_id for e in lost} == {"b", "c", "d"}
+    assert [e.detail["retry"] for e in trace if e.kind is K.REQUEUE] == [1, 1]
+    # They run again, each alone (suspects), from the front of the queue.
+    again = schedule(core, 3.0)
+    assert again.scheduled_request_ids == ("b",)
+    assert again.scheduled_new_reqs[0].request_id == "b"  # from step 0
+    out = core.runner_output(
+        again, BatchRunnerOutput(lost=frozenset({"b"}), lost_error="gone again"), 4.0
+    )
+    [deliver] = [i for i in out if isinstance(i, DeliverTerminal)]
+    assert deliver.output.error_type == QUARANTINED and "gone again" in deliver.output.error
+    last = schedule(core, 5.0)
+    done = RunnerOutput("d", images=["img"], step_index=1, finished=True)
+    assert terminals(core.runner_output(last, result(done), 6.0)) == {"d": S.FINISHED_COMPLETED}
     assert_clean(core, trace)
 
 
@@ -838,6 +882,51 @@ def test_request_mode_counts_wave_sizes_cancel_latency_and_wasted_steps() -> Non
     assert sum(stats.cancel_latency_counts) == 2  # a and b, 20 ms each
     assert stats.cancel_latency_counts[2] == 2  # the (10 ms, 25 ms] bucket
     assert stats.cancel_latency_sum_s == pytest.approx(0.04)
+    assert_clean(core, trace)
+
+
+def test_request_mode_times_a_step_of_one_image_per_size_from_dispatch_to_result() -> None:
+    """A wave of one size whose every request ran: its time over steps x images, folded
+    into that size's moving average; a wave that stopped early or failed, or mixes sizes,
+    measures nothing."""
+    core, trace = make(max_num_seqs=2)
+    admit(core, "a", num_inference_steps=10, height=32, width=32)
+    admit(core, "b", num_inference_steps=10, height=32, width=32)
+    out = schedule(core, 1.0)
+    assert out.scheduled_request_ids == ("a", "b")
+    ok = [RunnerOutput(r, images=["i"], step_index=10, finished=True) for r in ("a", "b")]
+    core.runner_output(out, result(*ok), 1.6)  # 0.6 s / (10 steps x 2 images)
+    assert core.step_times == {1024: pytest.approx(0.03)}
+    admit(core, "c", num_inference_steps=10, height=32, width=32)
+    out = schedule(core, 2.0)
+    core.runner_output(out, result(RunnerOutput("c", images=["i"], finished=True)), 2.7)
+    alpha = engine_core_module.STEP_TIME_ALPHA
+    assert core.step_times[1024] == pytest.approx(0.03 + alpha * (0.07 - 0.03))
+    before = core.step_times
+    admit(core, "d", num_inference_steps=10, height=32, width=32)
+    out = schedule(core, 3.0)
+    core.abort(["d"], 3.1)
+    core.runner_output(out, result(RunnerOutput("d", aborted=True, step_index=1)), 3.2)
+    admit(core, "e", num_inference_steps=10, height=64, width=64)
+    out = schedule(core, 4.0)
+    failed = RunnerOutput("e", error="boom", error_type="RuntimeError")
+    core.runner_output(out, result(failed), 4.5)
+    assert core.step_times == before  # an abort and a failure say nothing of a step
+    assert core.statistics().step_time_s == tuple(sorted(before.items()))
+    assert_clean(core, trace)
+
+
+def test_step_mode_times_each_tick_as_one_step_of_its_images() -> None:
+    core, trace = make(max_num_seqs=2, step_execution=True)
+    admit(core, "a", num_inference_steps=2, height=64, width=64)
+    out = schedule(core, 1.0)
+    core.runner_output(out, result(RunnerOutput("a", step_index=1, finished=False)), 1.3)
+    assert core.step_times == {4096: pytest.approx(0.3)}
+    core.runner_output(
+        schedule(core, 2.0), result(RunnerOutput("a", images=["i"], finished=True)), 2.1
+    )
+    alpha = engine_core_module.STEP_TIME_ALPHA
+    assert core.step_times == {4096: pytest.approx(0.3 + alpha * (0.1 - 0.3))}
     assert_clean(core, trace)
 
 

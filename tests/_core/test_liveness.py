@@ -92,3 +92,24 @@ def test_one_poll_period_a_quarter_of_the_shortest_timeout(
     beat: float | None, stall: float | None, poll: float
 ) -> None:
     assert tracker(beat, stall).poll_s == poll
+
+
+def test_a_pardoned_rank_is_no_longer_watched_and_its_verdict_is_withdrawn() -> None:
+    """A data-parallel rank group restarting on its own: the verdict about its rank is
+    withdrawn, the others are still judged, and the restarted rank is watched anew."""
+    t = tracker(ranks=3)
+    t.heard(0, 109.0)
+    t.heard(2, 109.0)
+    verdict = t.check(110.5)
+    assert isinstance(verdict, StallError) and t.verdict_rank == 1
+    t.pardon((1,))
+    assert t.check(110.5) is None and t.verdict_rank is None
+    assert t.steps_of(1) is None
+    t.heard(1, 111.0)  # what the written-off rank still sends changes nothing
+    assert t.steps_of(1) is None
+    t.resume((1,), 115.0)
+    assert t.check(119.0) is None  # ranks 0 and 2: silent 10 s at 119.0 exactly
+    verdict = t.check(125.001)
+    assert isinstance(verdict, StallError) and t.verdict_rank == 0
+    t.pardon((2,))  # a pardon of another rank keeps the verdict
+    assert t.check(125.001) is verdict and t.verdict_rank == 0

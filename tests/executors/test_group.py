@@ -15,8 +15,16 @@ from typing import Any
 import trio
 
 from omni_trio import AsyncEngine, EngineConfig, SamplingParams, open_engine
+from omni_trio._core.health import WorkerStatus
 from omni_trio._core.lifecycle import RequestStatus
-from omni_trio._core.messages import AsyncOutput, WorkerAbort, WorkerCall
+from omni_trio._core.messages import (
+    AsyncOutput,
+    NewRequestData,
+    SchedulerOutput,
+    WorkerAbort,
+    WorkerCall,
+)
+from omni_trio._core.request import DiffusionRequest
 from omni_trio.config import EngineConfig as _Config
 from omni_trio.executors.base import open_executor
 from omni_trio.executors.group import (
@@ -41,7 +49,8 @@ UNSENDABLE = "cannot be encoded"
 class FakeThreadTransport(Transport):
     """A fake transport: each rank a real :class:`Worker` behind a :class:`WorkerHost` in a
     thread of this process.  ``hold`` keeps replies back until released; a call whose
-    payload names :data:`UNSENDABLE` raises on send, as a codec would."""
+    payload names :data:`UNSENDABLE` raises on send, as a codec would; ``gate``, when set to
+    an event, holds every rank that starts from then on until it is set."""
 
     heartbeats = False
 
@@ -51,6 +60,9 @@ class FakeThreadTransport(Transport):
         self.gone: dict[int, trio.Event] = {}
         self.hold = trio.Event()
         self.hold.set()  # replies flow unless a test clears it
+        self.gate: trio.Event | None = None
+        self.starts = 0
+        self.killed: set[int] = set()  # a killed rank sends nothing more
 
     @asynccontextmanager
     async def open(self, config: _Config, fail: Callable[[BaseException], None]) -> Any:
@@ -59,6 +71,10 @@ class FakeThreadTransport(Transport):
     async def serve_rank(
         self, init: RankInit, deliver: Deliver, *, task_status: RankStatus = STARTED
     ) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.starts += 1
+        self.killed.discard(init.rank)
         token = trio.lowlevel.current_trio_token()
         worker = Worker(
             _Config.from_dict(init.config),
@@ -77,6 +93,8 @@ class FakeThreadTransport(Transport):
                 async for call in receive:
                     reply: AsyncOutput = await trio.to_thread.run_sync(host.call, call)
                     await self.hold.wait()
+                    if init.rank in self.killed:
+                        break
                     deliver(reply)
         finally:
             with trio.CancelScope(shield=True):
@@ -92,6 +110,7 @@ class FakeThreadTransport(Transport):
         self.inboxes[rank].send_nowait(message)
 
     def kill(self, rank: int) -> None:
+        self.killed.add(rank)
         self.inboxes[rank].close()
 
     async def wait_exited(self, rank: int) -> int | None:
@@ -216,4 +235,112 @@ async def test_a_share_one_rank_cannot_be_sent_refuses_the_wave_and_keeps_the_gr
             assert engine.health().restarts == 0 and engine.health().healthy
             ok = await engine.generate("fine", params(seed=3), request_id="c")
             assert decode_echo_image(ok.images[0]) == ("c", 3, 0)
+            await assert_nothing_left(engine)
+
+
+def fake_of(engine: AsyncEngine) -> tuple[FakeThreadExecutor, FakeThreadTransport]:
+    executor = engine.executor
+    assert isinstance(executor, FakeThreadExecutor)
+    transport = executor.transport
+    assert isinstance(transport, FakeThreadTransport)
+    return executor, transport
+
+
+async def wait_for(predicate: Callable[[], bool]) -> None:
+    while not predicate():  # noqa: ASYNC110 - another thread starts the workers: polled
+        await trio.sleep(0.005)
+
+
+async def test_a_lost_rank_group_restarts_alone_until_its_limit_then_the_group_fails(
+    cache_dir: Path,
+) -> None:
+    """Rank 1 dies: its group alone is restarted (the engine's worker group stays up, no
+    restart counted there) and serves again; dying again within ``worker_restart_window_s``
+    past ``max_worker_restarts`` fails the whole group, which the engine restarts."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(
+            cache_dir, max_worker_restarts=1, worker_restart_window_s=600.0
+        ) as engine:
+            executor, transport = fake_of(engine)
+            transport.kill(1)
+            await wait_for(lambda: executor.rank_restarts == 1)
+            assert engine.executor is executor and transport.starts == 3
+            health = engine.health()
+            assert health.healthy and health.restarts == 0, health
+            for seed in (1, 2):
+                final = await engine.generate("p", params(seed=seed), request_id=f"r{seed}")
+                assert decode_echo_image(final.images[0]) == (f"r{seed}", seed, 0)
+            transport.kill(1)  # the second time in the window: past the limit
+            await wait_for(lambda: engine.executor is not executor and engine.health().healthy)
+            assert engine.health().restarts == 1 and executor.rank_restarts == 1
+            ok = await engine.generate("p", params(seed=3), request_id="r3")
+            assert decode_echo_image(ok.images[0]) == ("r3", 3, 0)
+            await assert_nothing_left(engine)
+
+
+async def test_a_call_to_every_rank_waits_for_a_rank_group_that_restarts(cache_dir: Path) -> None:
+    """While rank 1's group restarts its worker states say so and the engine stays healthy;
+    an RPC to every rank waits for it (it would reach a dead rank) and then gets both
+    replies."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir) as engine:
+            executor, transport = fake_of(engine)
+            gate = transport.gate = trio.Event()
+            transport.kill(1)
+            await wait_for(lambda: executor.worker_states()[1].state is WorkerStatus.RESTARTING)
+            assert engine.health().healthy
+            assert [w.state for w in engine.health().workers] == ["running", "restarting"]
+            replies: list[Any] = []
+
+            async def ping() -> None:
+                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ping)
+                await trio.testing.wait_all_tasks_blocked()
+                assert replies == []  # held until the group is back
+                gate.set()
+            assert [r["rank"] for r in replies] == [0, 1]
+            assert executor.rank_restarts == 1
+            await assert_nothing_left(engine)
+
+
+def test_a_row_whose_state_died_with_its_group_is_taken_out_once(cache_dir: Path) -> None:
+    """Step mode: a request pinned to a lost group and scheduled again as a cached row is
+    taken out of the call, to be reported lost (once); scheduled as new (from step 0) or
+    finished, it is simply forgotten."""
+    executor = FakeThreadExecutor(config(cache_dir, step_execution=True))
+    executor._lost_ids.update({"cached": "died", "new": "died", "done": "died"})
+    fresh = NewRequestData("new", DiffusionRequest("p", params(seed=1), "new"))
+    out = SchedulerOutput(3, (fresh,), ("cached", "other"), frozenset({"done"}))
+    kept, lost = executor._take_lost(out)
+    assert lost == {"cached": "died"}
+    assert kept.scheduled_request_ids == ("new", "other")
+    assert kept.finished_req_ids == {"done"}
+    assert executor._lost_ids == {}
+    assert executor._take_lost(out) == (out, {})
+
+
+async def test_a_call_to_every_rank_a_lost_rank_never_answered_goes_to_its_replacement(
+    cache_dir: Path,
+) -> None:
+    """Rank 1 dies with a ping to every rank unanswered: the call is not failed; the rank
+    started in its place (which never ran it) is called, and both replies come back."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir) as engine:
+            executor, transport = fake_of(engine)
+            transport.hold = trio.Event()
+            replies: list[Any] = []
+
+            async def ping() -> None:
+                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ping)
+                await trio.testing.wait_all_tasks_blocked()
+                transport.kill(1)  # its reply, when computed, is never sent
+                transport.hold.set()
+            assert [r["rank"] for r in replies] == [0, 1]
+            assert executor.rank_restarts == 1 and transport.starts == 3
+            assert engine.health().restarts == 0
             await assert_nothing_left(engine)

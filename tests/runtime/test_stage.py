@@ -112,6 +112,8 @@ async def test_outputs_previews_and_seeds_cross_as_the_inline_engine_gives_them(
             assert decode_echo_image(chunks[-1].images[0])[1] == seed
             stats = engine.statistics()
             assert stats.finished_completed == 2 and stats.running == 0
+            # The step time it measured crosses too (what a pool's estimates weigh by).
+            assert set(engine.step_times()) == {params().height * params().width}
     assert engine.health().state is EngineState.CLOSED
     assert not alive(engine.pid)
 

@@ -175,7 +175,7 @@ def test_requeues_endings_packing_and_worker_states_per_replica() -> None:
     assert s[key] == 1
 
 
-def test_batch_sizes_cancel_latency_and_wasted_steps_per_replica() -> None:
+def test_batch_sizes_cancel_latency_wasted_steps_and_step_times_per_replica() -> None:
     stats = {
         "waiting": 0,
         "running": 0,
@@ -183,6 +183,7 @@ def test_batch_sizes_cancel_latency_and_wasted_steps_per_replica() -> None:
         "cancel_latency_counts": [0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1],
         "cancel_latency_sum_s": 20.05,
         "wasted_steps": 17,
+        "step_time_s": [[1024, 0.02], [4096, 0.07]],
     }
     pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=0, draining=False)
     s = samples(ServeMetrics(cast(EnginePool, pool)))
@@ -203,6 +204,8 @@ def test_batch_sizes_cancel_latency_and_wasted_steps_per_replica() -> None:
     assert bucket("omni_trio_cancel_latency_seconds_bucket", "+Inf") == 4
     assert s[("omni_trio_cancel_latency_seconds_sum", (r0,))] == 20.05
     assert s[("omni_trio_wasted_steps_total", (r0,))] == 17
+    assert s[("omni_trio_step_seconds", (("pixels", "1024"), r0))] == 0.02
+    assert s[("omni_trio_step_seconds", (("pixels", "4096"), r0))] == 0.07
 
 
 def test_admission_times_by_route_and_step_mode_ticks_per_replica() -> None:

@@ -430,11 +430,43 @@ async def test_retry_after_and_the_queue_wait_come_from_the_measured_rate() -> N
         EnginePool(echo_config(), max_queue_wait_s=0)
 
 
+def test_the_rates_weigh_each_step_by_the_time_a_step_of_its_size_takes() -> None:
+    """Completions and arrivals keep their pixels: the rates weigh each step by the weight
+    given when asked (so one measured before a new weight is weighed by the new one)."""
+    meter = ServiceRate(window=4, window_s=10.0)
+    log = ArrivalLog(window=4, window_s=10.0)
+    for t, work, px in ((1.0, 10.0, 1024), (2.0, 10.0, 4096), (3.0, 10.0, 1024)):
+        meter.record(t, work, px)
+        log.record(t, 0, "k", work, px)
+    weight = {1024: 0.01, 4096: 0.04}.get
+    assert meter.work_rate(3.0) == pytest.approx(20 / 2.0)  # unweighted: steps
+    assert meter.work_rate(3.0, lambda px: weight(px) or 0.0) == pytest.approx(0.5 / 2.0)
+    assert log.rate(3.0, lambda p, k: True, lambda px: weight(px) or 0.0) == pytest.approx(0.25)
+
+
+async def test_the_step_weight_is_the_engines_measured_step_time_per_size() -> None:
+    """Before anything ran every step weighs 1; then a measured size weighs what its engine
+    measured, and another size is scaled from the nearest measured one by its pixels."""
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), max_queue_len=4)) as pool:
+            assert pool.step_weight()(64 * 64) == 1.0
+            await final_of(pool.submit("p", SHORT))
+            engine = pool.replica_engine(0)
+            assert engine is not None
+            measured = engine.step_times()
+            assert set(measured) == {64 * 64} and measured[64 * 64] > 0
+            weight = pool.step_weight()
+            assert weight(64 * 64) == measured[64 * 64]
+            assert weight(32 * 32) == pytest.approx(measured[64 * 64] / 4)
+            assert weight(128 * 128) == pytest.approx(measured[64 * 64] * 4)
+
+
 async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
     """``scheduling_policy="priority"``: a high-priority request is not refused for the
     waiting low-priority requests it will pass, but is for the one running (it holds the
     slot) and for requests of its own priority; a low one waits for everyone.  Waits are
-    the work left (steps), at the measured rate of work."""
+    the work left (steps, each weighed by its size's measured step time), at the measured
+    rate of work."""
     config = echo_config(scheduling_policy="priority")
     with trio.fail_after(CAP_S):
         async with serving(EnginePool(config, max_queue_len=16)) as pool:
@@ -449,16 +481,17 @@ async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
             ]
             work_rate = pool.work_rate()
             assert work_rate is not None
+            w = pool.step_weight()(64 * 64)  # every request here is 64x64
             steps = LONG.num_inference_steps
             # Its finish: what the running one has left, then itself: < 1.5 x (LONG + SHORT).
-            deadline = 1.5 * (steps + SHORT.num_inference_steps) / work_rate
+            deadline = 1.5 * (steps + SHORT.num_inference_steps) * w / work_rate
             high = pool.submit(
                 "p", SHORT.replace(priority=-5, deadline_s=deadline), request_id="high"
             )
             # A low one with the same deadline waits for all seven (and "high"): refused.
             with pytest.raises(QueueWaitError, match="timeout") as info:
                 pool.submit("p", SHORT.replace(priority=5, deadline_s=deadline), request_id="low")
-            assert info.value.estimate_s >= len(waiting) * steps / work_rate
+            assert info.value.estimate_s >= len(waiting) * steps * w / work_rate
             for submission in (running, high, *waiting):
                 pool.abort(submission.request_id)
             for submission in (running, high, *waiting):
@@ -506,7 +539,7 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
                 await final_of(submission)
             work_rate = pool.work_rate()
             assert work_rate is not None
-            steps = LONG.num_inference_steps
+            steps = LONG.num_inference_steps * pool.step_weight()(64 * 64)
             # Two LONG ahead of it in arrival order, and its own run: 2 x LONG + SHORT.
             roomy = SHORT.replace(priority=5, deadline_s=3 * steps / work_rate)
             alone = pool.submit("p", roomy, request_id="alone")  # nothing waits: admitted
@@ -543,7 +576,8 @@ async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
                 big = [pool.submit("p", LONG, request_id=f"big{i}") for i in range(2)]
                 work_rate = pool.work_rate()
                 assert work_rate is not None
-                deadline = 10 * small.num_inference_steps / work_rate
+                w = pool.step_weight()(32 * 32)
+                deadline = 10 * small.num_inference_steps * w / work_rate
                 try:
                     ours = pool.submit("p", small.replace(deadline_s=deadline), request_id="s")
                 except QueueWaitError:
@@ -580,9 +614,13 @@ async def test_under_fair_a_class_of_larger_pictures_gets_fewer_steps_per_turn()
             ]
             work_rate = pool.work_rate()
             assert work_rate is not None
-            # 64-px: its own 200 steps + all 400 32-px steps (>= 600 steps of work);
-            # 32-px: its own 400 + a quarter of the 64-px work (<= ~510 with its run).
-            deadline = 560 / work_rate
+            weight = pool.step_weight()
+            w64, w32 = weight(64 * 64), weight(32 * 32)
+            # 64-px: its own 200 steps + all 400 32-px steps; 32-px: its own 400 + a
+            # quarter of the 64-px steps (~100); each step weighed by its size's time.
+            wait_64, wait_32 = 200 * w64 + 400 * w32, 400 * w32 + 100 * w64
+            assert wait_64 > wait_32
+            deadline = (wait_64 + wait_32) / 2 / work_rate
             ours = pool.submit("p", small.replace(deadline_s=deadline), request_id="s32")
             with pytest.raises(QueueWaitError):
                 pool.submit("p", large.replace(deadline_s=deadline), request_id="s64")
