@@ -791,9 +791,12 @@ class EngineCore:
     def step_times(self) -> dict[int, float]:
         """Seconds one denoising step of one image takes, by pixels per image, as measured
         (a copy): each dispatch of one size whose every request ran (no error, abort or
-        loss) is timed from dispatch to result, over its steps (one per tick in step mode;
-        the request's in request mode) times its images, and folded into a moving average
-        (weight :data:`STEP_TIME_ALPHA`).  What the pool's estimates weigh a step by."""
+        loss; no warmup or calibration request, whose first forwards are cold) is timed
+        from dispatch to result, over its steps (one per tick in step mode; the request's
+        in request mode) times its images, and folded into a moving average (weight
+        :data:`STEP_TIME_ALPHA`).  A time of the engine's throughput, not of one forward:
+        a batch of two images, or two data-parallel ranks, halve it.  What the pool's
+        estimates weigh a step by."""
         return dict(self._step_times)
 
     def _time_steps(
@@ -814,6 +817,9 @@ class EngineCore:
             sampling = state.request.sampling
             if runner is None or runner.error is not None or runner.aborted:
                 return  # stopped early or failed: its time says nothing of a step
+            entry = self._entries.get(rid)
+            if entry is None or not entry.counted:
+                return  # warmup or calibration (cold), or no longer current
             if sampling.height is None or sampling.width is None:
                 return
             sizes.add(int(sampling.height) * int(sampling.width))

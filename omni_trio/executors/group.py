@@ -322,6 +322,9 @@ class GroupExecutor(Executor):
         self._wire: dict[str, Any] | None = None
         #: Data parallel: rank groups restarted on their own so far.
         self.rank_restarts = 0
+        # The last "sleep" every rank answered ((args, kwargs); None once woken): a rank
+        # group restarted meanwhile is put to sleep the same way before it gets work.
+        self._asleep: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     @abc.abstractmethod
     def make_transport(self) -> Transport:
@@ -500,7 +503,10 @@ class GroupExecutor(Executor):
                 continue
             rank = tracker.verdict_rank
             state = self._ranks.get(rank) if rank is not None else None
-            if state is not None and self._rank_failed(state, verdict):
+            if state is None:
+                self._fail_group(verdict)
+                return
+            if self._rank_failed(state, verdict):
                 continue  # that rank's group restarts; the others go on
             return
 
@@ -519,6 +525,10 @@ class GroupExecutor(Executor):
             return False
         group = state.rank // self._group_size
         if group in self._down:
+            if self._ranks.get(state.rank) is state and state.started is not None:
+                # A rank started in the lost one's place failed before its group was up.
+                self._fail_group(error)
+                return False
             return True
         config = self.config
         now = trio.current_time()
@@ -550,9 +560,12 @@ class GroupExecutor(Executor):
             error,
         )
         self._down[group] = error
-        self._all_up = trio.Event()
+        if self._all_up.is_set():  # (one event while any group is down: its waiters stay)
+            self._all_up = trio.Event()
         reason = f"{type(error).__name__}: {error}"
         self._lost_ids.update(dict.fromkeys(self._dp.down(group), reason))
+        # (Outputs of its ranks that arrived and were not taken yet are released with the
+        # pumps: their requests run again, as after a whole-group failure.)
         lost = RankLostError(f"data-parallel worker group {group} failed: {error}")
         ranks = self._group_ranks(group)
         self._tracker.pardon(ranks)
@@ -576,11 +589,12 @@ class GroupExecutor(Executor):
                 for state in old:
                     if not state.exited:
                         await self._wait_one_state(state)
+            # (Replaced first: a CFG pair meets on its new leader's host.)
+            await self.transport.replace_ranks(ranks)
             dist: dict[int, str | None] = dict.fromkeys(ranks)
             if self._group_size > 1 and config.cfg_parallel:
                 address = await self._rendezvous(ranks[0], set())
                 dist = dict.fromkeys(ranks, address)
-            await self.transport.replace_ranks(ranks)
             for rank in ranks:
                 pump = ResultPump(worker=rank, on_discard=self._on_discard)
                 self._ranks[rank] = _Rank(rank, pump)
@@ -608,6 +622,27 @@ class GroupExecutor(Executor):
         self._tracker.resume(ranks, now)
         for rank in ranks:
             nursery.start_soon(self._watch_exit, self._ranks[rank])
+        if 0 in ranks:
+            self._pump = self._ranks[0].pump
+        if self._asleep is not None:
+            # The engine sleeps: so does the restarted group, before it counts as up.
+            args, kwargs = self._asleep
+            try:
+                await self._call(
+                    "sleep",
+                    args,
+                    kwargs,
+                    reply_rank=None,
+                    timeout=config.rpc_timeout_s,
+                    per_rank={rank: args for rank in ranks},
+                )
+            except Exception as exc:
+                if not self._closing:
+                    self._fail_group(exc)
+                return
+            if self._closing or self._dead_reason is not None or group not in self._down:
+                return
+            now = trio.current_time()
         del self._down[group]
         assert self._dp is not None
         self._dp.up(group)
@@ -773,9 +808,12 @@ class GroupExecutor(Executor):
         (data-parallel CFG pairs): each rank's own ``reply_rank``."""
         self._check_usable()
         if per_rank is None and not self._all_up.is_set():
-            # Every rank is asked: wait for a data-parallel group that restarts.
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                await self._all_up.wait()
+            # Every rank is asked: wait for a data-parallel group that restarts (its own
+            # time counts against the call's timeout).
+            began = trio.current_time()
+            await self._wait_all_up(method, timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (trio.current_time() - began))
             self._check_usable()
         rpc_id = f"{self._tag}-{next(self._ids)}"
         ranks = sorted(self._ranks) if per_rank is None else sorted(per_rank)
@@ -872,9 +910,18 @@ class GroupExecutor(Executor):
             for state in states:
                 state.pump.forget_rpc(rpc_id)
         if lost and per_rank is None:
-            # A call to every rank: the ranks restarted in place of those lost get it anew.
+            # A call to every rank: every rank of a lost group (a CFG partner that answered
+            # died with it) is replaced, and the replacements get it anew.
+            size = self._group_size
+            groups = {rank // size for rank in lost}
             again = await self._call_replacements(
-                method, args, kwargs, sorted(lost), reply_rank, timeout, with_rpc_id
+                method,
+                args,
+                kwargs,
+                [rank for g in sorted(groups) for rank in self._group_ranks(g)],
+                reply_rank,
+                timeout,
+                with_rpc_id,
             )
             replies.update(again)
         failed = [failed_by_rank[rank] for rank in ranks if rank in failed_by_rank]
@@ -883,7 +930,23 @@ class GroupExecutor(Executor):
             if failure.fatal:  # a rank is broken itself (a device fault): replace the group
                 self._fail_group(failure)
             raise failure
+        if per_rank is None and method == "sleep":
+            self._asleep = (tuple(args), dict(kwargs or {}))
+        elif per_rank is None and method == "wake_up":
+            self._asleep = None
         return replies
+
+    async def _wait_all_up(self, method: str, timeout: float | None) -> None:
+        """Until no data-parallel group is down (or the group failed or closed); past
+        ``timeout``: ``StallError("rpc")``, the group left alone (its restart has its own
+        deadline)."""
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self._all_up.wait()
+        if not self._all_up.is_set():
+            down = sorted(self._down)
+            raise StallError(
+                "rpc", f"{method!r}: data-parallel group(s) {down} not back within {timeout} s"
+            )
 
     async def _call_replacements(
         self,
@@ -896,13 +959,13 @@ class GroupExecutor(Executor):
         with_rpc_id: bool,
     ) -> dict[int, AsyncOutput]:
         """A call to every rank lost ``ranks`` (their data-parallel group died before they
-        answered): once they are back (within ``timeout``), the ranks started in their place,
-        which never ran it, are called; lost again, the call fails (``WorkerDied``)."""
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            await self._all_up.wait()
-        if not self._all_up.is_set():
-            back = f"rank(s) {list(ranks)} not back within {timeout} s"
-            raise StallError("rpc", f"{method!r}: {back}")
+        all answered): once they are back (within ``timeout``), the ranks started in their
+        place, which never ran it, are called; lost again, the call fails (``WorkerDied``)."""
+        began = trio.current_time()
+        await self._wait_all_up(method, timeout)
+        self._check_usable()
+        if timeout is not None:
+            timeout = max(0.0, timeout - (trio.current_time() - began))
         replies = await self._call(
             method,
             args,
@@ -1019,6 +1082,7 @@ class GroupExecutor(Executor):
             )
         except (trio.Cancelled, EngineClosedError, PayloadError):
             router.redeliver(shares)
+            self._lost_ids.update(lost_rows)  # still to be reported, with the next call
             raise
         except Exception as exc:
             self._fail_group(exc)

@@ -627,11 +627,25 @@ class TractorTransport(Transport):
             return InvalidConfigError(message)
         return WorkerError(message, worker=rank, error_type=type_str, traceback_text=tb)
 
-    @staticmethod
-    async def _write_link(stream: Any, receive: trio.MemoryReceiveChannel[bytes]) -> None:
-        async with receive:
+    async def _write_link(self, stream: Any, receive: trio.MemoryReceiveChannel[bytes]) -> None:
+        try:
             async for data in receive:
                 await stream.send(data)
+        finally:
+            # What was queued for a worker that is gone is never decoded: release it.
+            self._discard_queued(receive)
+            receive.close()
+
+    def _discard_queued(self, receive: trio.MemoryReceiveChannel[bytes]) -> None:
+        from ..ipc import discard_message
+
+        registry = self._encoder.registry if self._encoder is not None else None
+        while True:
+            try:
+                data = receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            discard_message(data, registry=registry)
 
     def _find_process(self, pid: int) -> Any:
         # tractor keeps its process objects privately (trio.Process or, for the forkserver
@@ -641,6 +655,18 @@ class TractorTransport(Transport):
             if proc is not None and getattr(proc, "pid", None) == pid:
                 return proc
         return None
+
+    async def replace_ranks(self, ranks: Sequence[int]) -> None:
+        """The processes of ``ranks`` are gone (a data-parallel group restarting alone):
+        forget their links (a kill before the new process reports signals nothing), and
+        unlink the segments they created that nobody will receive."""
+        for rank in ranks:
+            link = self._links.pop(rank, None)
+            if link is not None:
+                link.outbox.close()
+            swept = SegmentRegistry(self.shm_tag(rank)).sweep()
+            if swept:
+                log.info("unlinked %d shared-memory segment(s) of worker %d", len(swept), rank)
 
     def send(self, rank: int, message: WorkerCall | WorkerAbort) -> None:
         from ..ipc import Encoder, discard_message

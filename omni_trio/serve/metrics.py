@@ -57,7 +57,7 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_tick_seconds{replica}             histogram: step mode's ticks (one denoising
                                                 step of every request in it), dispatch to
                                                 result; none in request mode
-    omni_trio_step_seconds{replica,pixels}      one denoising step of one image at that size
+    omni_trio_step_time_seconds{replica,pixels} one denoising step of one image at that size
                                                 (pixels per image), as the replica's engine
                                                 measured it (a moving average): what the
                                                 admission estimates weigh a step by
@@ -215,7 +215,7 @@ class _PoolCollector(Collector):
             labels=["replica"],
         )
         step_seconds = GaugeMetricFamily(
-            "omni_trio_step_seconds",
+            "omni_trio_step_time_seconds",
             "One denoising step of one image, by pixels per image, as measured (moving average)",
             labels=["replica", "pixels"],
         )

@@ -1039,8 +1039,9 @@ class EnginePool:
     def step_weight(self) -> Callable[[int], float]:
         """``weight(pixels)``: how long one denoising step of one image takes at that size
         (pixels per image), as the replicas' engines measured it (the mean of theirs);
-        a size not measured yet is scaled from the nearest one measured by its pixel count;
-        before any is measured every step weighs 1 (the estimates then count steps).  The
+        a size not measured yet is scaled from the nearest one measured by its pixel count
+        (one not known, ``pixels`` 1, weighs as the slowest measured); before any is
+        measured every step weighs 1 (the estimates then count steps).  The
         pool's estimates weigh every step by it, so a queue of large images is not taken for
         one of small ones."""
         measured: dict[int, list[float]] = {}
@@ -1054,12 +1055,16 @@ class EnginePool:
             return flat_weight
         table = {px: sum(times) / len(times) for px, times in measured.items()}
 
+        slowest = max(table.values())
+
         def weight(pixels: int) -> float:
             known = table.get(pixels)
             if known is not None:
                 return known
-            nearest = min(table, key=lambda px: (abs(math.log(px / max(1, pixels))), px))
-            return table[nearest] * max(1, pixels) / nearest
+            if pixels <= 1:  # a size not known when it was admitted: the safe side
+                return slowest
+            nearest = min(table, key=lambda px: (abs(math.log(px / pixels)), px))
+            return table[nearest] * pixels / nearest
 
         return weight
 

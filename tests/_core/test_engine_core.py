@@ -916,6 +916,17 @@ def test_request_mode_times_a_step_of_one_image_per_size_from_dispatch_to_result
     assert_clean(core, trace)
 
 
+def test_warmup_and_calibration_requests_are_not_timed() -> None:
+    """Uncounted requests (warmup, calibration: cold first forwards) measure no step."""
+    core, trace = make()
+    request = DiffusionRequest("p", SamplingParams(num_inference_steps=2, seed=5), "warm")
+    core.admit(request, 0.0, counted=False)
+    out = schedule(core, 1.0)
+    core.runner_output(out, result(RunnerOutput("warm", images=["i"], finished=True)), 9.0)
+    assert core.step_times == {}
+    assert_clean(core, trace)
+
+
 def test_step_mode_times_each_tick_as_one_step_of_its_images() -> None:
     core, trace = make(max_num_seqs=2, step_execution=True)
     admit(core, "a", num_inference_steps=2, height=64, width=64)

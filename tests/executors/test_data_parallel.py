@@ -145,7 +145,9 @@ async def test_step_mode_pins_each_request_to_one_rank_and_streams_previews(
     jobs = {f"s{i}": params(4, seed=40 + i, delay=0.01) for i in range(3)}
     with trio.fail_after(CAP_S):
         async with dp_engine("tractor", cache_dir, streaming_output=True) as engine:
-            streams = {rid: engine.stream("p", p, request_id=rid) for rid, p in jobs.items()}
+            streams = {
+                rid: engine.stream(f"prompt {rid}", p, request_id=rid) for rid, p in jobs.items()
+            }
             outs: dict[str, list[DiffusionOutput]] = {}
 
             async def read(rid: str) -> None:
@@ -312,3 +314,74 @@ async def test_cfg_parallel_pairs_split_guidance_within_each_data_parallel_rank(
     assert steps[0] == steps[1] and steps[2] == steps[3], steps
     assert steps[0] > 0 and steps[2] > 0, steps  # both pairs ran requests
     assert steps[0] + steps[2] == 4 * 4, steps  # each request's steps ran on one pair
+
+
+@pytest.mark.parametrize("pair_backend", ["tractor", "ray"])
+async def test_a_killed_rank_of_a_cfg_pair_restarts_its_pair_alone(
+    cache_dir: Path, request: pytest.FixtureRequest, pair_backend: str
+) -> None:
+    """Two CFG-parallel pairs as data-parallel ranks: SIGKILL the second rank of pair 1
+    while both pairs run a request: pair 1 (both its ranks: they share a torch.distributed
+    group) is restarted with a new rendezvous while pair 0 keeps its processes and finishes
+    its own request; pair 1's request runs again and both images equal the single-worker
+    ones (same seeds)."""
+    if pair_backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    sampling = SamplingParams(
+        height=32,
+        width=32,
+        num_inference_steps=30,
+        guidance_scale=7.5,
+        negative_prompt="blurry",
+        output_type="np",
+    )
+    jobs = {f"r{i}": sampling.replace(seed=40 + i) for i in range(2)}
+    base: dict[str, Any] = {
+        "model": "builtin:tiny-sd",
+        "cache_dir": str(cache_dir),
+        "torch_threads": 1,
+        "warmup": False,
+        "step_execution": True,
+    }
+    with trio.fail_after(3 * CAP_S):
+        async with open_engine(EngineConfig(backend="inproc", **base)) as engine:  # reference
+            alone = await generate_all(engine, jobs)
+        if pair_backend == "tractor":
+            base["worker_start_method"] = "forkserver"
+        config = EngineConfig(
+            backend=pair_backend,
+            data_parallel_size=2,
+            num_workers=4,
+            cfg_parallel=True,
+            close_timeout_s=10.0,
+            max_retries_on_worker_failure=1,
+            **base,
+        )
+        async with open_engine(config) as engine:
+            executor = group(engine)
+            first = executor.worker_pids()
+            streams = {
+                rid: engine.stream(f"prompt {rid}", p, request_id=rid) for rid, p in jobs.items()
+            }
+            await poll_until(lambda: all(engine.progress(rid) is not None for rid in jobs))
+            assert {executor.holder_of(rid) for rid in jobs} == {0, 1}
+            os.kill(first[3], signal.SIGKILL)
+            finals: dict[str, DiffusionOutput] = {}
+
+            async def read(rid: str) -> None:
+                async with streams[rid] as stream:
+                    finals[rid] = [out async for out in stream][-1]
+
+            async with trio.open_nursery() as nursery:
+                for rid in streams:
+                    nursery.start_soon(read, rid)
+            await poll_until(lambda: len(executor.worker_pids()) == 4)
+            second = executor.worker_pids()
+            assert executor.rank_restarts == 1 and engine.health().restarts == 0
+            assert (second[0], second[1]) == (first[0], first[1])
+            assert second[2] != first[2] and second[3] != first[3]
+            assert engine.statistics().requeued == 1
+            await assert_nothing_left(engine)
+    for rid in jobs:
+        assert finals[rid].status is S.FINISHED_COMPLETED, finals[rid]
+        assert abs(alone[rid].images[0] - finals[rid].images[0]).max() <= 1e-4, rid

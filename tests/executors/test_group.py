@@ -63,6 +63,8 @@ class FakeThreadTransport(Transport):
         self.gate: trio.Event | None = None
         self.starts = 0
         self.killed: set[int] = set()  # a killed rank sends nothing more
+        self.held: dict[int, trio.Event] = {}  # rank -> its replies wait for this event
+        self.sent: list[tuple[int, str, int]] = []  # (rank, method, starts so far)
 
     @asynccontextmanager
     async def open(self, config: _Config, fail: Callable[[BaseException], None]) -> Any:
@@ -93,6 +95,9 @@ class FakeThreadTransport(Transport):
                 async for call in receive:
                     reply: AsyncOutput = await trio.to_thread.run_sync(host.call, call)
                     await self.hold.wait()
+                    held = self.held.get(init.rank)
+                    if held is not None:
+                        await held.wait()
                     if init.rank in self.killed:
                         break
                     deliver(reply)
@@ -107,6 +112,7 @@ class FakeThreadTransport(Transport):
             return
         if UNSENDABLE in repr(message.args):
             raise TypeError("a payload this codec cannot carry")
+        self.sent.append((rank, message.method, self.starts))
         self.inboxes[rank].send_nowait(message)
 
     def kill(self, rank: int) -> None:
@@ -343,4 +349,87 @@ async def test_a_call_to_every_rank_a_lost_rank_never_answered_goes_to_its_repla
             assert [r["rank"] for r in replies] == [0, 1]
             assert executor.rank_restarts == 1 and transport.starts == 3
             assert engine.health().restarts == 0
+            await assert_nothing_left(engine)
+
+
+async def test_overlapping_losses_of_two_rank_groups_keep_one_wait_for_both(
+    cache_dir: Path,
+) -> None:
+    """Three data-parallel ranks; ranks 1 and 2 die one after the other while neither is
+    back: an RPC to every rank made between the two losses waits for both restarts (not
+    for ever on the first) and gets three replies."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir, data_parallel_size=3) as engine:
+            executor, transport = fake_of(engine)
+            gate = transport.gate = trio.Event()
+            transport.kill(1)
+            await wait_for(lambda: executor.worker_states()[1].state is WorkerStatus.RESTARTING)
+            replies: list[Any] = []
+
+            async def ping() -> None:
+                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ping)
+                await trio.testing.wait_all_tasks_blocked()
+                transport.kill(2)
+                await wait_for(lambda: executor.worker_states()[2].state is WorkerStatus.RESTARTING)
+                gate.set()
+            assert [r["rank"] for r in replies] == [0, 1, 2]
+            assert executor.rank_restarts == 2 and engine.health().restarts == 0
+            await assert_nothing_left(engine)
+
+
+async def test_a_rank_group_restarted_while_the_engine_sleeps_is_put_to_sleep_first(
+    cache_dir: Path,
+) -> None:
+    """The engine sleeps; rank 1 dies: its replacement is sent the same sleep before its
+    group takes work again (it starts awake, with its weights), and the engine's wake then
+    reaches every rank."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(cache_dir) as engine:
+            executor, transport = fake_of(engine)
+            await engine.sleep(1)
+            transport.kill(1)
+            await wait_for(lambda: executor.rank_restarts == 1)
+            assert (1, "sleep", 3) in transport.sent  # to the replacement (the 3rd start)
+            restarted = transport.sent.index((1, "sleep", 3))
+            assert all(method != "wake_up" for _, method, _ in transport.sent[:restarted])
+            await engine.wake_up()
+            assert {(r, m) for r, m, n in transport.sent if n == 3} >= {
+                (1, "sleep"),
+                (0, "wake_up"),
+                (1, "wake_up"),
+            }
+            final = await engine.generate("p", params(seed=4), request_id="after")
+            assert decode_echo_image(final.images[0]) == ("after", 4, 0)
+            await assert_nothing_left(engine)
+
+
+async def test_a_rank_that_makes_no_progress_restarts_alone_and_its_request_reruns(
+    cache_dir: Path,
+) -> None:
+    """Rank 1 stops answering in a forward (no step progress past
+    ``worker_stall_timeout_s``): its group alone is written off and restarted while rank 0
+    serves, and the request it held runs again and completes with its own image."""
+    with trio.fail_after(CAP_S):
+        async with engine_on(
+            cache_dir, worker_stall_timeout_s=0.5, max_retries_on_worker_failure=1
+        ) as engine:
+            executor, transport = fake_of(engine)
+            stuck = transport.held[1] = trio.Event()
+            streams = {
+                rid: engine.stream("p", params(seed=seed), request_id=rid)
+                for rid, seed in (("a", 1), ("b", 2))
+            }
+            await wait_for(lambda: executor.worker_states()[1].state is WorkerStatus.RESTARTING)
+            del transport.held[1]
+            stuck.set()  # the old rank's loop ends (its reply, killed, is never sent)
+            for rid, seed in (("a", 1), ("b", 2)):
+                async with streams[rid] as stream:
+                    final = [o async for o in stream][-1]
+                assert decode_echo_image(final.images[0]) == (rid, seed, 0)
+            await wait_for(lambda: executor.rank_restarts == 1)
+            assert engine.health().restarts == 0
+            assert engine.statistics().requeued == 1
             await assert_nothing_left(engine)

@@ -204,8 +204,21 @@ def test_batch_sizes_cancel_latency_wasted_steps_and_step_times_per_replica() ->
     assert bucket("omni_trio_cancel_latency_seconds_bucket", "+Inf") == 4
     assert s[("omni_trio_cancel_latency_seconds_sum", (r0,))] == 20.05
     assert s[("omni_trio_wasted_steps_total", (r0,))] == 17
-    assert s[("omni_trio_step_seconds", (("pixels", "1024"), r0))] == 0.02
-    assert s[("omni_trio_step_seconds", (("pixels", "4096"), r0))] == 0.07
+    assert s[("omni_trio_step_time_seconds", (("pixels", "1024"), r0))] == 0.02
+    assert s[("omni_trio_step_time_seconds", (("pixels", "4096"), r0))] == 0.07
+
+
+def test_the_exposition_names_each_metric_once() -> None:
+    """Every family (the pool's, read at each scrape, and the server's own) has one TYPE
+    line: a name used twice makes Prometheus reject the whole scrape."""
+    from prometheus_client import generate_latest
+
+    stats = {"waiting": 0, "running": 0, "step_time_s": [[1024, 0.02]], "tick_counts": [1]}
+    pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=0, draining=False)
+    text = generate_latest(ServeMetrics(cast(EnginePool, pool)).registry).decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    assert "omni_trio_step_time_seconds" in types and "omni_trio_step_seconds" in types
 
 
 def test_admission_times_by_route_and_step_mode_ticks_per_replica() -> None:
