@@ -79,6 +79,7 @@ from .._core.request import DiffusionRequest, SamplingParams
 from .._core.trace import TraceRecorder
 from ..config import EngineConfig
 from ..errors import (
+    TIMEOUT_ERROR_TYPE,
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
@@ -123,6 +124,16 @@ MAX_RETRY_AFTER_S = 60
 MAX_PASSING_SHARE = 0.9
 # The time to open a replica is the median of this many last opens.
 OPEN_WINDOW = 8
+# The admission estimate is scaled by how far the finishes it estimated fell short of the
+# measured ones: this quantile of their ratios, over this many last requests (none until
+# this many were measured), at most this factor.
+ESTIMATE_QUANTILE = 0.9
+ESTIMATE_WINDOW = 64
+ESTIMATE_MIN_SAMPLES = 8
+MAX_ESTIMATE_FACTOR = 4.0
+# Requests without a deadline are estimated too (to measure the estimate) while at most this
+# many are in flight (an estimate is O(in flight)).
+ESTIMATE_MAX_IN_FLIGHT = 256
 # The longest a request admitted during a worker restart waits for its replica to be ready.
 DEFAULT_RESTART_WAIT_S = 60.0
 # The abort reason of a request whose restart wait ran out (PooledStream.abort_reason, the
@@ -246,6 +257,38 @@ class ArrivalLog:
         return sum(work * weight(px) for _, p, klass, work, px in later if counts(p, klass)) / span
 
 
+class EstimateError:
+    """How far the pool's estimated finishes fall short of the measured ones: the ratios
+    measured / estimated of the last ``window`` requests (a completion; also a timeout, as a
+    lower bound: its finish was at least that).  :meth:`factor` is their ``quantile`` (at
+    least 1: the estimate is never made more optimistic, at most ``max_factor``; 1 until
+    ``min_samples`` were measured).  Pure: the caller passes the times."""
+
+    def __init__(
+        self,
+        window: int = ESTIMATE_WINDOW,
+        quantile: float = ESTIMATE_QUANTILE,
+        min_samples: int = ESTIMATE_MIN_SAMPLES,
+        max_factor: float = MAX_ESTIMATE_FACTOR,
+    ) -> None:
+        self._ratios: deque[float] = deque(maxlen=window)
+        self._quantile = quantile
+        self._min_samples = min_samples
+        self._max_factor = max_factor
+
+    def record(self, estimated_s: float, measured_s: float) -> None:
+        """A request estimated to finish in ``estimated_s`` took ``measured_s``."""
+        if estimated_s > 0 and math.isfinite(estimated_s) and measured_s >= 0:
+            self._ratios.append(measured_s / estimated_s)
+
+    def factor(self) -> float:
+        if len(self._ratios) < self._min_samples:
+            return 1.0
+        ordered = sorted(self._ratios)
+        value = ordered[min(len(ordered) - 1, int(self._quantile * len(ordered)))]
+        return min(self._max_factor, max(1.0, value))
+
+
 class OpenTime:
     """How long opening a replica takes (its engine's workers started, the model loaded and
     warmed up), measured over the last ``window`` opens.  Pure: the caller passes the times."""
@@ -358,6 +401,9 @@ class PooledStream:
         self.public_id = inner.request_id if public_id is None else public_id
         self.abort_reason: str | None = None
         self.completed = False  # its terminal output was a success (the service rate counts it)
+        self.timed_out = False  # it ended past its own deadline (RequestTimeoutError)
+        # The pool's estimate of its finish at admission (seconds; None: none was made).
+        self.estimate_s: float | None = None
         self._on_done: Callable[[PooledStream], None] | None = on_done
 
     @property
@@ -420,6 +466,7 @@ class PooledStream:
             self._started = True
             if output.finished:
                 self.completed = output.ok
+                self.timed_out = output.error_type == TIMEOUT_ERROR_TYPE
                 self._release()
             return output
 
@@ -634,6 +681,7 @@ class EnginePool:
         self.max_queue_wait_s = max_queue_wait_s
         self._service = ServiceRate()
         self._arrivals = ArrivalLog()
+        self._estimate_error = EstimateError()
         # The weight of one denoising step of one image by its pixels (step_weight()),
         # refreshed at each estimate.
         self._weight: Callable[[int], float] = flat_weight
@@ -986,7 +1034,7 @@ class EnginePool:
         if len(self._active) >= self.max_queue_len:
             raise QueueFullError(len(self._active), self.max_queue_len)
         klass = self._class_of(prompt, params)
-        self._check_queue_wait(params, klass)
+        estimate = self._check_queue_wait(params, klass)
         public = request_id if request_id is not None else new_request_id()
         rid = engine_request_id(public, owner)
         if rid in self._active:
@@ -994,6 +1042,8 @@ class EnginePool:
         admitting = self._admitting_replicas()
         if not admitting:
             raise NotReadyError(self.readiness()[1] or "no replica is ready")
+        if estimate is None:
+            estimate = self._estimated_finish_s(params, klass)
         replica = min(admitting, key=lambda r: (r.in_flight, r.index))
         assert replica.engine is not None
         restarting = replica.engine.health().state is EngineState.RESTARTING
@@ -1010,6 +1060,7 @@ class EnginePool:
             work=request_work(params),
             pixels=self._pixels_of(params),
         )
+        stream.estimate_s = estimate
         self._active[rid] = stream
         self._arrivals.record(
             trio.current_time(), params.priority, klass, stream.work, stream.pixels
@@ -1143,17 +1194,31 @@ class EnginePool:
         turns = 1 if self.stage == "process" else self.replicas
         return clamp_retry_after(expected * turns)
 
-    def _check_queue_wait(self, params: SamplingParams, klass: Hashable = None) -> None:
+    def estimate_factor(self) -> float:
+        """What the admission estimates are scaled by: how far the finishes estimated fell
+        short of the measured ones (the 0.9 quantile of measured / estimated over the last
+        requests, at least 1, at most :data:`MAX_ESTIMATE_FACTOR`; 1 until enough were
+        measured).  The estimate's model (a measured rate shared by what runs) leaves out
+        what it cannot know (the tick in flight, the turn order, later arrivals); this
+        measures what it leaves out."""
+        return self._estimate_error.factor()
+
+    def _check_queue_wait(self, params: SamplingParams, klass: Hashable = None) -> float | None:
         """Refuse a request whose estimated queue wait exceeds ``max_queue_wait_s``, or
         whose estimated finish (that wait plus its own run) exceeds its own deadline
-        (:class:`QueueWaitError`); nothing is checked before a rate is measured.  See
-        :meth:`_estimated_wait_s`."""
+        (:class:`QueueWaitError`); nothing is checked before a rate is measured.  Both are
+        :meth:`_estimated_wait_s` scaled by :meth:`estimate_factor`.  Returns the unscaled
+        estimated finish (None when nothing was checked), which the request's own finish
+        measures against."""
         if params.deadline_s is None and self.max_queue_wait_s is None:
-            return
+            return None
         work_rate = self.work_rate()
         if work_rate is None or work_rate <= 0:
-            return
+            return None
         wait, run = self._estimated_wait_s(params, klass, work_rate)
+        estimate = wait + run
+        factor = self.estimate_factor()
+        wait, run = wait * factor, run * factor
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
         # Its deadline covers its own run too.
@@ -1162,6 +1227,19 @@ class EnginePool:
             raise QueueWaitError(
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
+        return estimate
+
+    def _estimated_finish_s(self, params: SamplingParams, klass: Hashable) -> float | None:
+        """The unscaled estimated finish of a request no limit applies to, made only to
+        measure the estimate (:meth:`estimate_factor`), while at most
+        :data:`ESTIMATE_MAX_IN_FLIGHT` are in flight (an estimate is O(in flight))."""
+        if len(self._active) > ESTIMATE_MAX_IN_FLIGHT:
+            return None
+        work_rate = self.work_rate()
+        if work_rate is None or work_rate <= 0:
+            return None
+        wait, run = self._estimated_wait_s(params, klass, work_rate)
+        return wait + run
 
     def _run_s(self, own_work: float, work_rate: float) -> float:
         """How long a request of ``own_work`` runs once started: the rate of work is
@@ -1368,8 +1446,13 @@ class EnginePool:
         rid = stream.engine_request_id
         if self._active.get(rid) is not stream:  # pragma: no cover - released once by design
             return
+        now = trio.current_time()
         if stream.completed:
-            self._service.record(trio.current_time(), stream.work, stream.pixels)
+            self._service.record(now, stream.work, stream.pixels)
+        # (A request that moved ran elsewhere, later: not what was estimated.)
+        measured = (stream.completed or stream.timed_out) and not stream.moves
+        if measured and stream.estimate_s is not None:
+            self._estimate_error.record(stream.estimate_s, now - stream.admitted_at)
         del self._active[rid]
         self._restart_waits.pop(rid, None)
         self._replicas[stream.replica].in_flight -= 1

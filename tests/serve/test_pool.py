@@ -31,6 +31,7 @@ from omni_trio.serve.pool import (
     ArrivalLog,
     DrainingError,
     EnginePool,
+    EstimateError,
     NotReadyError,
     OpenTime,
     QueueFullError,
@@ -459,6 +460,51 @@ async def test_the_step_weight_is_the_engines_measured_step_time_per_size() -> N
             assert weight(64 * 64) == measured[64 * 64]
             assert weight(32 * 32) == pytest.approx(measured[64 * 64] / 4)
             assert weight(128 * 128) == pytest.approx(measured[64 * 64] * 4)
+
+
+def test_the_estimate_factor_is_a_high_quantile_of_how_far_estimates_fell_short() -> None:
+    error = EstimateError(window=10, quantile=0.9, min_samples=4, max_factor=4.0)
+    for measured in (1.0, 1.0, 1.0):
+        error.record(1.0, measured)
+    assert error.factor() == 1.0  # too few measured
+    error.record(2.0, 5.0)  # 2.5x
+    assert error.factor() == 2.5
+    for _ in range(10):
+        error.record(1.0, 0.5)  # estimates too pessimistic: never made more optimistic
+    assert error.factor() == 1.0
+    for _ in range(10):
+        error.record(1.0, 9.0)
+    assert error.factor() == 4.0  # bounded
+    error.record(0.0, 1.0)  # no estimate: nothing to measure
+    error.record(float("inf"), 1.0)
+    assert error.factor() == 4.0
+
+
+async def test_a_deadline_is_checked_against_the_estimate_scaled_by_its_measured_error() -> None:
+    """Once finishes were measured longer than estimated, a request whose deadline covers
+    the estimate but not the estimate scaled by that error is refused; every admitted
+    request's own finish is measured against its estimate."""
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(echo_config(), max_queue_len=8)) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT))
+            running = pool.submit("p", LONG, request_id="running")
+            assert running.stream.estimate_s is not None  # (no deadline: measured all the same)
+            work_rate = pool.work_rate()
+            assert work_rate is not None
+            w = pool.step_weight()(64 * 64)
+            fits = (LONG.num_inference_steps + 2 * SHORT.num_inference_steps) * w / work_rate
+            first = pool.submit("p", SHORT.replace(deadline_s=fits), request_id="fits")
+            pool.abort(first.request_id)
+            await final_of(first)
+            assert pool.estimate_factor() == 1.0
+            for _ in range(pool_module.ESTIMATE_MIN_SAMPLES):
+                pool._estimate_error.record(1.0, 3.0)  # (as if finishes took 3x)
+            assert pool.estimate_factor() == 3.0
+            with pytest.raises(QueueWaitError, match="timeout"):
+                pool.submit("p", SHORT.replace(deadline_s=fits), request_id="refused")
+            pool.abort(running.request_id)
+            await final_of(running)
 
 
 async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
