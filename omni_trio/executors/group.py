@@ -1252,8 +1252,9 @@ class GroupExecutor(Executor):
         return out
 
     def worker_pids(self) -> dict[int, int]:
-        """rank -> pid of every worker process (where the backend knows it)."""
-        return {r: pid for r, s in self._ranks.items() if (pid := s.pid) is not None}
+        """rank -> pid of every worker process (where the backend knows it; a rank being
+        restarted has none until its new process reports)."""
+        return {r: pid for r, s in self._ranks.items() if (pid := s.pid) is not None and not s.lost}
 
     def worker_exit_codes(self) -> dict[int, int | None]:
         """rank -> exit status of each worker process once it exited (0: it stopped when
