@@ -282,6 +282,7 @@ class EstimateError:
             self._ratios.append(measured_s / estimated_s)
 
     def factor(self) -> float:
+        """What estimates are scaled by (see the class doc)."""
         if len(self._ratios) < self._min_samples:
             return 1.0
         ordered = sorted(self._ratios)
@@ -1105,7 +1106,6 @@ class EnginePool:
         if not measured:
             return flat_weight
         table = {px: sum(times) / len(times) for px, times in measured.items()}
-
         slowest = max(table.values())
 
         def weight(pixels: int) -> float:
