@@ -166,6 +166,9 @@ class EngineStatistics:
     # Seconds one denoising step of one image takes, by pixels per image, as measured on
     # this engine's dispatches (an exponential moving average; ``EngineCore.step_times``).
     step_time_s: tuple[tuple[int, float], ...] = ()
+    # Data parallel: rank groups restarted on their own while the others served (the
+    # engine's worker group did not restart for them; ``restarts`` counts those).
+    rank_restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

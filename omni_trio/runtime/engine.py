@@ -16,6 +16,7 @@ later calls raise :class:`EngineDeadError`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -111,6 +112,8 @@ class AsyncEngine:
         self._close_done = trio.Event()
         self._ended = trio.Event()  # set when the engine died or closed
         self._executor: Executor | None = None
+        # Rank groups the failed groups restarted alone (data parallel), before the current.
+        self._past_rank_restarts = 0
         # Whether the supervisor's next ``failed`` event is the running group's (it reported
         # started since the last one) rather than a restart's failed start.
         self._group_up = False
@@ -230,6 +233,9 @@ class AsyncEngine:
         old = self.core.model_info
         if old is not None and executor.model_info not in (None, old):
             log.warning("the restarted worker group reports different model info")
+        previous = self._executor
+        if previous is not None and previous is not executor:
+            self._past_rank_restarts += getattr(previous, "rank_restarts", 0)
         self._executor = executor
         self._group_up = True
         self.core.group_started(executor.model_info, trio.current_time())
@@ -719,7 +725,9 @@ class AsyncEngine:
 
     def statistics(self) -> EngineStatistics:
         self._observe_group()
-        return self.core.statistics(self._workers(), self._restarts())
+        stats = self.core.statistics(self._workers(), self._restarts())
+        current = getattr(self._executor, "rank_restarts", 0)
+        return dataclasses.replace(stats, rank_restarts=self._past_rank_restarts + current)
 
     def _restarts(self) -> int:
         return self._group.restarts if self._group is not None else 0

@@ -57,6 +57,8 @@ Read from the pool at scrape time (a custom collector, so nothing polls)::
     omni_trio_tick_seconds{replica}             histogram: step mode's ticks (one denoising
                                                 step of every request in it), dispatch to
                                                 result; none in request mode
+    omni_trio_rank_restarts_total{replica}      data-parallel rank groups restarted on their own
+                                                while the others served
     omni_trio_step_time_seconds{replica,pixels} one denoising step of one image at that size
                                                 (pixels per image), as the replica's engine
                                                 measured it (a moving average): what the
@@ -214,6 +216,11 @@ class _PoolCollector(Collector):
             "Step mode: each tick (one denoising step of every request in it), dispatch to result",
             labels=["replica"],
         )
+        rank_restarts = CounterMetricFamily(
+            "omni_trio_rank_restarts",
+            "Data-parallel rank groups restarted on their own while the others served",
+            labels=["replica"],
+        )
         step_seconds = GaugeMetricFamily(
             "omni_trio_step_time_seconds",
             "One denoising step of one image, by pixels per image, as measured (moving average)",
@@ -247,6 +254,7 @@ class _PoolCollector(Collector):
                 _add_cancel_latency(cancel, label, stats)
                 _add_ticks(ticks, label, stats)
                 wasted.add_metric(label, stats.get("wasted_steps", 0))
+                rank_restarts.add_metric(label, stats.get("rank_restarts", 0))
                 for pixels, seconds in stats.get("step_time_s", ()):
                     step_seconds.add_metric([*label, str(pixels)], seconds)
                 waiting += stats["waiting"]
@@ -295,6 +303,7 @@ class _PoolCollector(Collector):
         yield wasted
         yield ticks
         yield step_seconds
+        yield rank_restarts
         yield packing
         yield workers
         yield sleep_state

@@ -227,6 +227,7 @@ async def test_a_killed_rank_restarts_alone_while_the_other_serves_and_its_reque
             assert engine.statistics().requeued == 1  # the victim alone ran again
             await wait_until_gone([first[1]], timeout=15.0)
             await poll_until(lambda: executor.rank_restarts == 1)
+            assert engine.statistics().rank_restarts == 1
             second = executor.worker_pids()
             assert second[0] == first[0] and second[1] != first[1], (first, second)
             assert [w.state for w in engine.health().workers] == ["running", "running"]

@@ -279,6 +279,8 @@ async def test_a_lost_rank_group_restarts_alone_until_its_limit_then_the_group_f
             transport.kill(1)  # the second time in the window: past the limit
             await wait_for(lambda: engine.executor is not executor and engine.health().healthy)
             assert engine.health().restarts == 1 and executor.rank_restarts == 1
+            # (The failed group's rank restart still counts in the engine's statistics.)
+            assert engine.statistics().rank_restarts == 1
             ok = await engine.generate("p", params(seed=3), request_id="r3")
             assert decode_echo_image(ok.images[0]) == ("r3", 3, 0)
             await assert_nothing_left(engine)

@@ -184,6 +184,7 @@ def test_batch_sizes_cancel_latency_wasted_steps_and_step_times_per_replica() ->
         "cancel_latency_sum_s": 20.05,
         "wasted_steps": 17,
         "step_time_s": [[1024, 0.02], [4096, 0.07]],
+        "rank_restarts": 3,
     }
     pool = FakePool([replica(0, "ready", statistics=stats)], in_flight=0, draining=False)
     s = samples(ServeMetrics(cast(EnginePool, pool)))
@@ -206,6 +207,7 @@ def test_batch_sizes_cancel_latency_wasted_steps_and_step_times_per_replica() ->
     assert s[("omni_trio_wasted_steps_total", (r0,))] == 17
     assert s[("omni_trio_step_time_seconds", (("pixels", "1024"), r0))] == 0.02
     assert s[("omni_trio_step_time_seconds", (("pixels", "4096"), r0))] == 0.07
+    assert s[("omni_trio_rank_restarts_total", (r0,))] == 3
 
 
 def test_the_exposition_names_each_metric_once() -> None:
