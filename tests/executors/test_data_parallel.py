@@ -258,6 +258,34 @@ async def test_a_mixed_queue_runs_every_class_and_ranks_answer_for_their_share_o
             await assert_nothing_left(engine)
 
 
+async def cfg_pair_reference(
+    cache_dir: Path, steps: int, seeds: range, *, step_execution: bool, backend: str
+) -> tuple[dict[str, SamplingParams], dict[str, Any], dict[str, Any]]:
+    """Guided ``builtin:tiny-sd`` jobs ``r0..``, their images from one inproc worker (the
+    reference), and the engine settings the CFG-pair engine under test shares with it."""
+    sampling = SamplingParams(
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        guidance_scale=7.5,
+        negative_prompt="blurry",
+        output_type="np",
+    )
+    jobs = {f"r{i}": sampling.replace(seed=seed) for i, seed in enumerate(seeds)}
+    base: dict[str, Any] = {
+        "model": "builtin:tiny-sd",
+        "cache_dir": str(cache_dir),
+        "torch_threads": 1,
+        "warmup": False,
+        "step_execution": step_execution,
+    }
+    async with open_engine(EngineConfig(backend="inproc", **base)) as engine:
+        alone = await generate_all(engine, jobs)
+    if backend == "tractor":
+        base["worker_start_method"] = "forkserver"
+    return jobs, alone, base
+
+
 @pytest.mark.parametrize(
     ("pair_backend", "step_execution"),
     [("tractor", False), ("tractor", True), ("ray", False)],
@@ -273,27 +301,10 @@ async def test_cfg_parallel_pairs_split_guidance_within_each_data_parallel_rank(
     pairs shared the requests."""
     if pair_backend == "ray":
         request.getfixturevalue("ray_cluster")
-    sampling = SamplingParams(
-        height=32,
-        width=32,
-        num_inference_steps=4,
-        guidance_scale=7.5,
-        negative_prompt="blurry",
-        output_type="np",
-    )
-    jobs = {f"r{i}": sampling.replace(seed=20 + i) for i in range(4)}
-    base: dict[str, Any] = {
-        "model": "builtin:tiny-sd",
-        "cache_dir": str(cache_dir),
-        "torch_threads": 1,
-        "warmup": False,
-        "step_execution": step_execution,
-    }
     with trio.fail_after(3 * CAP_S):
-        async with open_engine(EngineConfig(backend="inproc", **base)) as engine:  # reference
-            alone = await generate_all(engine, jobs)
-        if pair_backend == "tractor":
-            base["worker_start_method"] = "forkserver"
+        jobs, alone, base = await cfg_pair_reference(
+            cache_dir, 4, range(20, 24), step_execution=step_execution, backend=pair_backend
+        )
         config = EngineConfig(
             backend=pair_backend,
             data_parallel_size=2,
@@ -327,27 +338,10 @@ async def test_a_killed_rank_of_a_cfg_pair_restarts_its_pair_alone(
     ones (same seeds)."""
     if pair_backend == "ray":
         request.getfixturevalue("ray_cluster")
-    sampling = SamplingParams(
-        height=32,
-        width=32,
-        num_inference_steps=30,
-        guidance_scale=7.5,
-        negative_prompt="blurry",
-        output_type="np",
-    )
-    jobs = {f"r{i}": sampling.replace(seed=40 + i) for i in range(2)}
-    base: dict[str, Any] = {
-        "model": "builtin:tiny-sd",
-        "cache_dir": str(cache_dir),
-        "torch_threads": 1,
-        "warmup": False,
-        "step_execution": True,
-    }
     with trio.fail_after(3 * CAP_S):
-        async with open_engine(EngineConfig(backend="inproc", **base)) as engine:  # reference
-            alone = await generate_all(engine, jobs)
-        if pair_backend == "tractor":
-            base["worker_start_method"] = "forkserver"
+        jobs, alone, base = await cfg_pair_reference(
+            cache_dir, 30, range(40, 42), step_execution=True, backend=pair_backend
+        )
         config = EngineConfig(
             backend=pair_backend,
             data_parallel_size=2,

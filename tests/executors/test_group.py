@@ -252,6 +252,11 @@ def fake_of(engine: AsyncEngine) -> tuple[FakeThreadExecutor, FakeThreadTranspor
     return executor, transport
 
 
+async def ping_every_rank(engine: AsyncEngine, replies: list[Any]) -> None:
+    """Ping every rank; the replies go into ``replies`` (empty while the call waits)."""
+    replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
+
+
 async def wait_for(predicate: Callable[[], bool]) -> None:
     while not predicate():  # noqa: ASYNC110 - another thread starts the workers: polled
         await trio.sleep(0.005)
@@ -299,12 +304,8 @@ async def test_a_call_to_every_rank_waits_for_a_rank_group_that_restarts(cache_d
             assert engine.health().healthy
             assert [w.state for w in engine.health().workers] == ["running", "restarting"]
             replies: list[Any] = []
-
-            async def ping() -> None:
-                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(ping)
+                nursery.start_soon(ping_every_rank, engine, replies)
                 await trio.testing.wait_all_tasks_blocked()
                 assert replies == []  # held until the group is back
                 gate.set()
@@ -339,12 +340,8 @@ async def test_a_call_to_every_rank_a_lost_rank_never_answered_goes_to_its_repla
             executor, transport = fake_of(engine)
             transport.hold = trio.Event()
             replies: list[Any] = []
-
-            async def ping() -> None:
-                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(ping)
+                nursery.start_soon(ping_every_rank, engine, replies)
                 await trio.testing.wait_all_tasks_blocked()
                 transport.kill(1)  # its reply, when computed, is never sent
                 transport.hold.set()
@@ -367,12 +364,8 @@ async def test_overlapping_losses_of_two_rank_groups_keep_one_wait_for_both(
             transport.kill(1)
             await wait_for(lambda: executor.worker_states()[1].state is WorkerStatus.RESTARTING)
             replies: list[Any] = []
-
-            async def ping() -> None:
-                replies.extend(await engine.collective_rpc("ping", unique_reply_rank=None))
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(ping)
+                nursery.start_soon(ping_every_rank, engine, replies)
                 await trio.testing.wait_all_tasks_blocked()
                 transport.kill(2)
                 await wait_for(lambda: executor.worker_states()[2].state is WorkerStatus.RESTARTING)
