@@ -69,6 +69,7 @@ __all__ = [
     "TractorTransport",
     "cuda_possible",
     "resolve_start_method",
+    "start_fork_server_early",
 ]
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,40 @@ def _ensure_forkserver(preload: list[str]) -> None:
     probe.start()  # returns once the server forked: its preload is done
     probe.join()
     _forkserver_warm_pid = pid
+
+
+def start_fork_server_early(config: EngineConfig) -> bool:
+    """Start now the fork server that an engine of ``config`` would start when it opens,
+    and return without waiting for its preload (:data:`FORKSERVER_PRELOAD`: seconds of
+    import on one core), so that the preload overlaps what the caller does before it opens
+    the engine (``omni-trio serve`` binds its listener meanwhile); True if it was started
+    here.  Does nothing (False) unless the engine would start one itself: the tractor
+    backend, workers forked from the fork server (:func:`resolve_start_method`), the main
+    module guarded, no tractor runtime in this process and no fork server yet.  Blocks for
+    the few milliseconds of spawning a process; the server lives as long as this process
+    (the engine's open then only waits for its preload)."""
+    if config.backend != "tractor":
+        return False
+    if resolve_start_method(config.worker_start_method, config.device) != "forkserver":
+        return False
+    try:
+        check_main_guard()  # the server runs the main module: refused later, one line
+    except InvalidConfigError:
+        return False
+    _silence_tractor_warnings()  # the server's environment is every worker's: set it first
+    import tractor
+    from tractor import _spawn
+
+    if tractor.current_actor(err_on_no_runtime=False) is not None or _forkserver_pid():
+        return False
+    _spawn.try_set_start_method("forkserver")  # tractor's fork server replaces the stdlib's
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    with secrets_hidden():
+        forkserver.ensure_running()
+    log.debug("fork server started early (pid %s)", _forkserver_pid())
+    return True
 
 
 def _runs(pid: int) -> bool:

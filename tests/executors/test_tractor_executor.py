@@ -735,7 +735,7 @@ import sys
 import trio
 
 
-async def main(cache_dir: str, start_method: str, then: str) -> None:
+async def main(cache_dir: str, start_method: str, then: str, early: dict) -> None:
     from omni_trio import open_engine
 
     async with open_engine(
@@ -749,7 +749,7 @@ async def main(cache_dir: str, start_method: str, then: str) -> None:
         worker_start_method=start_method,
     ) as engine:
         pids = sorted(engine.executor.worker_pids().values())
-        print(json.dumps({"root": os.getpid(), "workers": pids}), flush=True)
+        print(json.dumps({"root": os.getpid(), "workers": pids, **early}), flush=True)
         if then == "exit":  # a normal exit, once stdin closes
             await trio.to_thread.run_sync(sys.stdin.read)
             return
@@ -758,7 +758,18 @@ async def main(cache_dir: str, start_method: str, then: str) -> None:
 
 # tractor re-runs this module in every worker: entry logic stays under the guard.
 if __name__ == "__main__":
-    trio.run(main, *sys.argv[1:])
+    early = {}
+    if sys.argv[2] == "forkserver-early":  # as `omni-trio serve` does, before trio starts
+        from omni_trio import EngineConfig
+        from omni_trio.executors import tractor_executor as te
+
+        config = EngineConfig(
+            model="builtin:echo", backend="tractor", num_workers=2, worker_start_method="forkserver"
+        )
+        started = [te.start_fork_server_early(config), te.start_fork_server_early(config)]
+        early = {"started": started, "server": te._forkserver_pid()}
+        sys.argv[2] = "forkserver"
+    trio.run(main, *sys.argv[1:], early)
 """
 
 
@@ -856,6 +867,38 @@ async def test_the_fork_server_ends_with_the_engine_process(
             with trio.fail_after(10.0):
                 assert await proc.wait() == 0
             await wait_until_gone([server, *info["workers"]], timeout=5.0)
+
+
+async def test_a_fork_server_started_early_is_the_one_the_engine_forks_from(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """``start_fork_server_early`` (``omni-trio serve`` calls it once its configuration is
+    read) starts the server without waiting for its preload; the engine opened later finds
+    it and forks its workers from it instead of starting another.  A second call does
+    nothing."""
+    with trio.fail_after(CAP_S):
+        async with root_process(tmp_path, cache_dir, "forkserver-early") as (proc, info, _):
+            assert info["started"] == [True, False]
+            assert _fork_servers(proc.pid) == {info["server"]}
+            for pid in info["workers"]:
+                stat = _stat(pid)
+                assert stat is not None and stat[1] == info["server"]
+
+
+def test_a_fork_server_starts_early_only_where_the_engine_would_start_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from omni_trio.executors import tractor_executor as te
+
+    server = te._forkserver_pid()
+    monkeypatch.setattr(te, "cuda_possible", lambda: True)
+    for config in (
+        EngineConfig(backend="inproc"),
+        EngineConfig(backend="tractor", num_workers=2, worker_start_method="trio"),
+        EngineConfig(backend="tractor", num_workers=2, worker_start_method="auto"),  # CUDA?
+    ):
+        assert te.start_fork_server_early(config) is False
+    assert te._forkserver_pid() == server  # none started
 
 
 def test_worker_start_method_is_validated() -> None:

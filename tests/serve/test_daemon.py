@@ -598,18 +598,23 @@ def test_data_parallel_workers_serve_concurrent_requests(
     from omni_trio.models import decode_echo_image
 
     daemon = start_daemon(
-        "--data-parallel", "2", "--threads", "1", "--model-option", f"step_delay_s={STEP_S}"
+        "--data-parallel", "2", "--threads", "1", "--model-option", f"step_delay_s={STEP_S}",
+        "--log-level", "debug",
     )  # fmt: skip
     daemon.wait_listening()
     daemon.wait_ready()
     workers = descendant_pids(daemon.proc.pid)
     assert len(workers) >= 2, workers
-    # Without CUDA the daemon's "auto" start method forks them from a fork server.
+    # Without CUDA the daemon's "auto" start method forks them from a fork server, which it
+    # starts before it binds its listener (its preload overlaps the rest of the start).
     from omni_trio.executors.tractor_executor import cuda_possible
 
     cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in workers]
     forked = any(b"forkserver" in cmdline for cmdline in cmdlines)
     assert forked is not cuda_possible(), cmdlines
+    early = daemon.stderr.find("fork server started early")
+    assert (early != -1) is forked, daemon.stderr
+    assert early < daemon.stderr.find("listening on"), daemon.stderr
     background = [generate_in_background(daemon, 6) for _ in range(4)]
     responses = [result_of(thread, result) for thread, result in background]
     assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
