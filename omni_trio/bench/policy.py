@@ -365,6 +365,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=2, help="engine batch (default 2)")
     parser.add_argument(
+        "--priority-aging-ticks",
+        type=int,
+        default=None,
+        help="the engine's priority_aging_ticks (default: the engine's default, 16)",
+    )
+    parser.add_argument(
         "--max-queue-len",
         type=int,
         default=None,
@@ -396,6 +402,7 @@ class _Setup:
     step_delay_s: float
     step_cost: str
     max_num_seqs: int
+    priority_aging_ticks: int | None
     max_queue_len: int | None
     capacity_s: float
     idle_repeats: int
@@ -419,6 +426,9 @@ def _setup(args: argparse.Namespace) -> _Setup:
         raise ValueError("--max-num-seqs, --repeats and --torch-threads must be >= 1")
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError("--max-queue-len must be >= 1")
+    aging = getattr(args, "priority_aging_ticks", None)
+    if aging is not None and aging < 1:
+        raise ValueError("--priority-aging-ticks must be >= 1")
     return _Setup(
         policies=tuple(args.policies),
         loads=tuple(args.loads),
@@ -427,6 +437,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         step_delay_s=delay_ms / 1000.0,
         step_cost=args.step_cost,
         max_num_seqs=args.max_num_seqs,
+        priority_aging_ticks=aging,
         max_queue_len=args.max_queue_len,
         capacity_s=capacity_s,
         idle_repeats=repeats,
@@ -731,6 +742,9 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
     from ..config import EngineConfig
 
     setup = _setup(args)
+    aging: dict[str, Any] = {}
+    if setup.priority_aging_ticks is not None:
+        aging["priority_aging_ticks"] = setup.priority_aging_ticks
     config = EngineConfig(
         model="builtin:echo",
         backend="inproc",
@@ -739,6 +753,7 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
         torch_threads=setup.torch_threads,
         warmup=False,
         model_options={"step_delay_s": setup.step_delay_s},
+        **aging,
     )
     report.params.update(
         {
@@ -752,6 +767,7 @@ async def _main(args: argparse.Namespace, report: Report) -> None:
             "step_delay_ms": setup.step_delay_s * 1000.0,
             "step_cost": setup.step_cost,
             "max_num_seqs": setup.max_num_seqs,
+            "priority_aging_ticks": config.priority_aging_ticks,
             "torch_threads": setup.torch_threads,
             "sizes": list(SIZES),
             "steps": list(STEPS),

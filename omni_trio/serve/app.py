@@ -1369,7 +1369,7 @@ class ImagesApp:
                 str(exc),
                 type="rate_limit_error",
                 code="queue_full",
-                headers=_retry_after(self.pool.retry_after_s()),
+                headers=_retry_after(exc.retry_after_s or self.pool.retry_after_s()),
             )
         except QueueWaitError as exc:
             # Come back when the queue is short enough: its excess at the measured rate.

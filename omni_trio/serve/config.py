@@ -683,6 +683,15 @@ FLAGS: tuple[Flag, ...] = (
         "preempts in step mode) or fair (round-robin across image shapes)",
         choices=("fifo", "priority", "fair"),
     ),
+    Flag(
+        "--priority-aging-ticks",
+        ("engine", "priority_aging_ticks"),
+        "under --scheduling-policy priority, a later request passes an earlier one only "
+        "within (their priority difference x N) ticks of it (default 16): smaller bounds the "
+        "worse priorities' wait at overload",
+        type=int,
+        metavar="N",
+    ),
     Flag("--warmup", ("engine", "warmup"), "warm every replica up before ready", boolean=True),
     Flag("--host", ("host",), "address to bind (default 127.0.0.1: loopback only)"),
     Flag("--port", ("port",), "TCP port (default 8000; 0 picks a free one)", type=int),

@@ -38,7 +38,9 @@ down in turn.
 
 Small errors of the pool (all :class:`~omni_trio.errors.OmniTrioError`)::
 
-    QueueFullError    in-flight requests reached max_queue_len (HTTP 429)
+    QueueFullError    in-flight requests reached max_queue_len (HTTP 429); its
+                      PassedTooLongError: under priority, better-priority arrivals would
+                      hold the request longer than a full queue in arrival order would
     QueueWaitError    the estimated queue wait already exceeds the request's deadline, or
                       max_queue_wait_s (HTTP 503)
     DrainingError     the pool stopped admitting (shutdown drain) (HTTP 503)
@@ -103,6 +105,7 @@ __all__ = [
     "EnginePool",
     "NotReadyError",
     "PooledStream",
+    "PassedTooLongError",
     "QueueFullError",
     "Submission",
     "engine_request_id",
@@ -156,6 +159,31 @@ class QueueFullError(OmniTrioError):
         )
         self.in_flight = in_flight
         self.max_queue_len = max_queue_len
+        self.retry_after_s: int | None = None  # None: the pool's retry_after_s()
+
+
+class PassedTooLongError(QueueFullError):
+    """Under ``scheduling_policy="priority"``: the requests of a better priority arriving at
+    the measured rate would hold this one past both what a full queue takes in arrival
+    order (``max_queue_len - 1`` requests of the recent mean work ahead of it) and what it
+    would take without them: the queue is full for its priority (HTTP 429, ``Retry-After``
+    the excess)."""
+
+    def __init__(
+        self, estimate_s: float, limit_s: float, in_flight: int, max_queue_len: int
+    ) -> None:
+        OmniTrioError.__init__(
+            self,
+            f"the server is at capacity for this priority: requests of a better priority "
+            f"would pass this one until an estimated {estimate_s:.1f} s, past the "
+            f"{limit_s:.1f} s a full queue takes (max_queue_len={max_queue_len}); retry "
+            "later or with a better priority",
+        )
+        self.in_flight = in_flight
+        self.max_queue_len = max_queue_len
+        self.estimate_s = estimate_s
+        self.limit_s = limit_s
+        self.retry_after_s = clamp_retry_after(estimate_s - limit_s)
 
 
 def _window_span(events: deque[Any], now: float, window_s: float) -> float | None:
@@ -256,6 +284,13 @@ class ArrivalLog:
         later = itertools.islice(self._arrivals, 1, None)
         return sum(work * weight(px) for _, p, klass, work, px in later if counts(p, klass)) / span
 
+    def mean_work(self, now: float, weight: Callable[[int], float] = flat_weight) -> float | None:
+        """The mean work (weighted as :meth:`rate` weighs it) of the requests admitted in
+        the last ``window_s`` seconds (None: none)."""
+        since = now - self._window_s
+        recent = [work * weight(px) for t, _, _, work, px in self._arrivals if t >= since]
+        return sum(recent) / len(recent) if recent else None
+
 
 class EstimateError:
     """How far the pool's estimated finishes fall short of the measured ones: the ratios
@@ -281,9 +316,14 @@ class EstimateError:
         if estimated_s > 0 and math.isfinite(estimated_s) and measured_s >= 0:
             self._ratios.append(measured_s / estimated_s)
 
+    @property
+    def measured(self) -> bool:
+        """Enough were measured for :meth:`factor` to be more than its default."""
+        return len(self._ratios) >= self._min_samples
+
     def factor(self) -> float:
         """What estimates are scaled by (see the class doc)."""
-        if len(self._ratios) < self._min_samples:
+        if not self.measured:
             return 1.0
         ordered = sorted(self._ratios)
         value = ordered[min(len(ordered) - 1, int(self._quantile * len(ordered)))]
@@ -683,6 +723,8 @@ class EnginePool:
         self._service = ServiceRate()
         self._arrivals = ArrivalLog()
         self._estimate_error = EstimateError()
+        # Under "priority": each priority's own (a worse one is passed more than estimated).
+        self._priority_errors: dict[int, EstimateError] = {}
         # The weight of one denoising step of one image by its pixels (step_weight()),
         # refreshed at each estimate.
         self._weight: Callable[[int], float] = flat_weight
@@ -1036,6 +1078,7 @@ class EnginePool:
             raise QueueFullError(len(self._active), self.max_queue_len)
         klass = self._class_of(prompt, params)
         estimate = self._check_queue_wait(params, klass)
+        self._check_passing(params)
         public = request_id if request_id is not None else new_request_id()
         rid = engine_request_id(public, owner)
         if rid in self._active:
@@ -1194,13 +1237,18 @@ class EnginePool:
         turns = 1 if self.stage == "process" else self.replicas
         return clamp_retry_after(expected * turns)
 
-    def estimate_factor(self) -> float:
+    def estimate_factor(self, priority: int | None = None) -> float:
         """What the admission estimates are scaled by: how far the finishes estimated fell
         short of the measured ones (the 0.9 quantile of measured / estimated over the last
         requests, at least 1, at most :data:`MAX_ESTIMATE_FACTOR`; 1 until enough were
         measured).  The estimate's model (a measured rate shared by what runs) leaves out
         what it cannot know (the tick in flight, the turn order, later arrivals); this
-        measures what it leaves out."""
+        measures what it leaves out.  Under ``scheduling_policy="priority"`` a
+        ``priority`` given gets its own priority's factor once enough of them were
+        measured (later better arrivals pass a worse request more than any other)."""
+        own = self._priority_errors.get(priority) if priority is not None else None
+        if own is not None and own.measured:
+            return own.factor()
         return self._estimate_error.factor()
 
     def _check_queue_wait(self, params: SamplingParams, klass: Hashable = None) -> float | None:
@@ -1217,7 +1265,7 @@ class EnginePool:
             return None
         wait, run = self._estimated_wait_s(params, klass, work_rate)
         estimate = wait + run
-        factor = self.estimate_factor()
+        factor = self.estimate_factor(params.priority)
         wait, run = wait * factor, run * factor
         if self.max_queue_wait_s is not None and wait > self.max_queue_wait_s:
             raise QueueWaitError(wait, self.max_queue_wait_s, "max_queue_wait_s")
@@ -1228,6 +1276,46 @@ class EnginePool:
                 finish, params.deadline_s, "the request's timeout", "time to finish"
             )
         return estimate
+
+    def _check_passing(self, params: SamplingParams) -> None:
+        """Under ``scheduling_policy="priority"``, refuse (:class:`PassedTooLongError`) a
+        request that the better-priority requests arriving meanwhile would hold past both
+        what a full queue in arrival order takes (:meth:`_full_queue_finish_s`) and what
+        it would take without them: the queue limit bounds every admitted request's
+        latency, not just the count in flight.  A request that no better-priority arrival
+        was measured for is never refused here.  Nothing is checked before a rate is
+        measured, or with more than :data:`ESTIMATE_MAX_IN_FLIGHT` in flight (an estimate
+        is O(in flight))."""
+        if self.engine_config.scheduling_policy != "priority":
+            return
+        if len(self._active) > ESTIMATE_MAX_IN_FLIGHT:
+            return
+        work_rate = self.work_rate()
+        if work_rate is None or work_rate <= 0:
+            return
+        own_priority = params.priority
+        if not self._arrivals.rate(trio.current_time(), lambda p, _: p < own_priority):
+            return  # nothing better arrives: nothing passes it
+        ahead, own_run, share = self._priority_estimate(params, work_rate)
+        plain = ahead / work_rate + own_run  # were nothing better arriving
+        own_work = request_work(params) * self._weight(self._pixels_of(params))
+        # Each scaled by its measured error: its priority's (how far later better arrivals
+        # passed such requests beyond the estimate), and everyone's.
+        finish = plain / share * self.estimate_factor(params.priority)
+        limit = max(plain, self._full_queue_finish_s(own_work, work_rate))
+        limit *= self.estimate_factor()
+        if finish > limit:
+            raise PassedTooLongError(finish, limit, len(self._active), self.max_queue_len)
+
+    def _full_queue_finish_s(self, own_work: float, work_rate: float) -> float:
+        """The finish of a request of ``own_work`` admitted last into a full queue served in
+        arrival order: ``max_queue_len - 1`` requests of the recent mean work (weighted as
+        the rate is) ahead of it, then its own run shared as :meth:`_run_s` shares it."""
+        config = self.engine_config
+        slots = self.replicas * config.max_num_seqs * config.data_parallel_size
+        mean = self._arrivals.mean_work(trio.current_time(), self._weight)
+        ahead = (self.max_queue_len - 1) * (own_work if mean is None else mean)
+        return (ahead + own_work * max(1, min(slots, self.max_queue_len))) / work_rate
 
     def _estimated_finish_s(self, params: SamplingParams, klass: Hashable) -> float | None:
         """The unscaled estimated finish of a request no limit applies to, made only to
@@ -1331,17 +1419,28 @@ class EnginePool:
             share_bound = own_time / (work_rate * own_share)
             return min(wait, share_bound), run / share
         if policy == "priority":
-            ahead_streams, waiting = self._ahead_of(params)
-            rho = 0.0
-            if waiting:
-                own_priority = params.priority
-                passing = self._arrivals.rate(now, lambda p, _: p < own_priority, weight)
-                rho = passing / work_rate
-            share = 1 - min(rho, MAX_PASSING_SHARE)
-            ahead = sum(map(self._work_left, ahead_streams))
-            return ahead / (work_rate * share), self._run_s(own_work, work_rate) / share
+            ahead, run, share = self._priority_estimate(params, work_rate)
+            return ahead / (work_rate * share), run / share
         left = sum(map(self._work_left, self._active.values()))
         return left / work_rate, self._run_s(own_work, work_rate)
+
+    def _priority_estimate(
+        self, params: SamplingParams, work_rate: float
+    ) -> tuple[float, float, float]:
+        """``(ahead, run, share)`` under ``priority`` (see :meth:`_estimated_wait_s`): the
+        work left in the requests it does not pass, its own run were the rate all its, and
+        the share of the rate that better-priority arrivals leave it while some wait."""
+        ahead_streams, waiting = self._ahead_of(params)
+        rho = 0.0
+        if waiting:
+            own_priority = params.priority
+            passing = self._arrivals.rate(
+                trio.current_time(), lambda p, _: p < own_priority, self._weight
+            )
+            rho = passing / work_rate
+        own_work = request_work(params) * self._weight(self._pixels_of(params))
+        ahead = sum(map(self._work_left, ahead_streams))
+        return ahead, self._run_s(own_work, work_rate), 1 - min(rho, MAX_PASSING_SHARE)
 
     def _pixels_of(self, params: SamplingParams) -> int:
         """Pixels per image of a request (the model's default size where it leaves it
@@ -1453,6 +1552,9 @@ class EnginePool:
         measured = (stream.completed or stream.timed_out) and not stream.moves
         if measured and stream.estimate_s is not None:
             self._estimate_error.record(stream.estimate_s, now - stream.admitted_at)
+            if self.engine_config.scheduling_policy == "priority":
+                own = self._priority_errors.setdefault(stream.priority, EstimateError())
+                own.record(stream.estimate_s, now - stream.admitted_at)
         del self._active[rid]
         self._restart_waits.pop(rid, None)
         self._replicas[stream.replica].in_flight -= 1

@@ -191,7 +191,12 @@ def test_targets_of_loads_not_run_are_left_out() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--policies", "fifo,lottery"], ["--policies", "fifo,fifo"], ["--loads", "0.7,-1"]],
+    [
+        ["--policies", "fifo,lottery"],
+        ["--policies", "fifo,fifo"],
+        ["--loads", "0.7,-1"],
+        ["--priority-aging-ticks", "x"],
+    ],
 )
 def test_bad_options_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
@@ -220,6 +225,7 @@ def test_a_quick_run_gives_a_complete_report(tmp_path: Path) -> None:
     data = json.loads(target.read_text())
     assert data["experiment"] == "policy"
     assert data["params"]["quick"] is True
+    assert data["params"]["priority_aging_ticks"] == 16  # the engine's default
     assert data["machine"]["torch_threads"] == 1
     results = data["results"]
     assert results["capacity"]["requests_per_s"] > 0
@@ -257,10 +263,12 @@ def test_with_pixel_step_cost_a_larger_picture_takes_longer(tmp_path: Path) -> N
     target = tmp_path / "policy.json"
     full = ["bench", "policy", "--quick", "--no-progress", "--step-cost", "pixels"]
     full += ["--policies", "fair", "--loads", "0.7", "--json", str(target)]
+    full += ["--priority-aging-ticks", "4"]
     lines: list[str] = []
     code = run_bench(_parser().parse_args(full), argv=["omni-trio", *full], out=lines.append)
     assert code == 0, "\n".join(lines)
     data = json.loads(target.read_text())
     assert data["params"]["step_cost"] == "pixels"
+    assert data["params"]["priority_aging_ticks"] == 4
     idle = data["results"]["idle_ms"]
     assert idle["64px x 16 steps"] > 1.5 * idle["32px x 16 steps"], idle

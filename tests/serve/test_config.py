@@ -300,6 +300,8 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         "--cache-dir", str(tmp_path),
         "--streaming",
         "--no-warmup",
+        "--scheduling-policy", "priority",
+        "--priority-aging-ticks", "4",
         "--host", "::1",
         "--port", "0",
         "--api-key", "k",
@@ -339,6 +341,8 @@ def test_from_args_maps_every_flag(tmp_path: Path) -> None:
         streaming_output=True,
         step_execution=True,
         warmup=False,
+        scheduling_policy="priority",
+        priority_aging_ticks=4,
         worker_start_method="auto",
     )
     assert (config.host, config.port, config.api_key, config.replicas) == ("::1", 0, "k", 3)

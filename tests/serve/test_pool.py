@@ -34,6 +34,7 @@ from omni_trio.serve.pool import (
     EstimateError,
     NotReadyError,
     OpenTime,
+    PassedTooLongError,
     QueueFullError,
     QueueWaitError,
     ServiceRate,
@@ -79,6 +80,10 @@ def test_errors_are_omni_trio_errors() -> None:
     for cls in (QueueFullError, DrainingError, NotReadyError):
         assert issubclass(cls, OmniTrioError)
     assert QueueFullError(3, 3).max_queue_len == 3
+    assert QueueFullError(3, 3).retry_after_s is None  # the pool's own Retry-After
+    passed = PassedTooLongError(12.2, 4.0, 3, 4)
+    assert isinstance(passed, QueueFullError) and passed.max_queue_len == 4
+    assert passed.retry_after_s == 9  # the excess over what a full queue takes
 
 
 def test_configuration_is_checked() -> None:
@@ -507,6 +512,29 @@ async def test_a_deadline_is_checked_against_the_estimate_scaled_by_its_measured
             await final_of(running)
 
 
+async def test_under_priority_each_priority_gets_its_own_measured_estimate_error() -> None:
+    """Later better arrivals pass a worse request beyond any estimate: under ``priority``
+    each priority's finishes measure its own factor (once enough were measured); before,
+    and under other policies, everyone's."""
+    for policy in ("priority", "fifo"):
+        config = echo_config(scheduling_policy=policy)
+        with trio.fail_after(CAP_S):
+            async with serving(EnginePool(config, max_queue_len=64)) as pool:
+                # (The first ones are not estimated: no rate is measured before them.)
+                for index in range(pool_module.ESTIMATE_MIN_SAMPLES + 4):
+                    await final_of(pool.submit(f"p{index}", SHORT.replace(priority=5)))
+                assert pool.estimate_factor(5) >= 1.0
+                if policy == "priority":
+                    assert pool._priority_errors[5].measured
+                    for _ in range(pool_module.ESTIMATE_WINDOW):
+                        pool._priority_errors[5].record(1.0, 3.0)  # (as if passed: 3x)
+                    assert pool.estimate_factor(5) == 3.0
+                    assert pool.estimate_factor(0) == pool.estimate_factor() < 3.0
+                else:
+                    assert not pool._priority_errors
+                    assert pool.estimate_factor(5) == pool.estimate_factor()
+
+
 async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
     """``scheduling_policy="priority"``: a high-priority request is not refused for the
     waiting low-priority requests it will pass, but is for the one running (it holds the
@@ -515,7 +543,9 @@ async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
     rate of work."""
     config = echo_config(scheduling_policy="priority")
     with trio.fail_after(CAP_S):
-        async with serving(EnginePool(config, max_queue_len=16)) as pool:
+        # (A queue limit that lets the low ones in although the priority-0 ones measured
+        # before pass them: PassedTooLongError's own test is below.)
+        async with serving(EnginePool(config, max_queue_len=64)) as pool:
             for index in range(3):
                 await final_of(pool.submit(f"p{index}", SHORT))
             running = pool.submit("p", LONG.replace(priority=5), request_id="running")
@@ -604,6 +634,45 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
             for submission in (running, waiting, high):
                 pool.abort(submission.request_id)
                 await final_of(submission)
+
+
+async def test_under_priority_a_request_passed_longer_than_a_full_queue_takes_gets_429() -> None:
+    """Right after a burst of better-priority arrivals, a low request (no deadline) that
+    they would hold past what a full queue in arrival order takes is refused with
+    :class:`PassedTooLongError` (the queue is full for its priority, though not by count);
+    a request of the best priority is admitted, and so is the low one under ``fifo``."""
+    for policy in ("priority", "fifo"):
+        config = echo_config(scheduling_policy=policy, max_num_seqs=1)
+        with trio.fail_after(CAP_S):
+            async with serving(EnginePool(config, max_queue_len=4)) as pool:
+                await _check_passed_after_a_burst(pool, policy)
+
+
+async def _check_passed_after_a_burst(pool: EnginePool, policy: str) -> None:
+    for index in range(3):
+        await final_of(pool.submit(f"p{index}", SHORT))
+    burst = [pool.submit("p", LONG.replace(priority=-5), request_id=f"h{i}") for i in range(3)]
+    for submission in burst:  # gone again: only their arrivals are remembered
+        pool.abort(submission.request_id)
+        await final_of(submission)
+    running = pool.submit("p", LONG.replace(priority=5), request_id="running")
+    engine = pool.replica_engine(0)
+    assert engine is not None
+    await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
+    waiting = pool.submit("p", LONG.replace(priority=5), request_id="waiting")
+    held = [running, waiting]
+    low = SHORT.replace(priority=5)
+    if policy == "priority":
+        with pytest.raises(PassedTooLongError) as info:
+            pool.submit("p", low, request_id="low")
+        assert info.value.estimate_s > info.value.limit_s > 0
+        assert info.value.retry_after_s is not None and info.value.retry_after_s >= 1
+        held.append(pool.submit("p", low.replace(priority=-5), request_id="high"))
+    else:
+        held.append(pool.submit("p", low, request_id="low"))
+    for submission in held:
+        pool.abort(submission.request_id)
+        await final_of(submission)
 
 
 async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
