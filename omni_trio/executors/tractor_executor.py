@@ -35,8 +35,8 @@ import signal
 import socket
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -164,6 +164,9 @@ FORKSERVER_PRELOAD = (
     "omni_trio.worker.tractor_actor",
 )
 
+# What tractor 0.1.0a5's root actor sets PYTHONBREAKPOINT to (tractor/_root.py).
+TRACTOR_BREAKPOINT_HOOK = "tractor._debug._set_trace"
+
 # pid of the fork server that has answered a fork request (its preload is done), if any.
 _forkserver_warm_pid: int | None = None
 
@@ -206,11 +209,14 @@ def start_fork_server_early(config: EngineConfig) -> bool:
     import on one core), so that the preload overlaps what the caller does before it opens
     the engine (``omni-trio serve`` binds its listener meanwhile); True if it was started
     here.  Does nothing (False) unless the engine would start one itself: the tractor
-    backend, workers forked from the fork server (:func:`resolve_start_method`), the main
-    module guarded, no tractor runtime in this process and no fork server yet.  Blocks for
-    the few milliseconds of spawning a process; the server lives as long as this process
-    (the engine's open then only waits for its preload)."""
-    if config.backend != "tractor":
+    backend, workers forked from the fork server (:func:`resolve_start_method`), this the
+    main process, the main module guarded, no tractor runtime in this process and no fork
+    server yet; nor where starting it fails (the engine then reports that itself).  The
+    server gets the environment the engine would give it (secrets hidden, tractor's
+    warning filters and breakpoint hook).  Blocks for the few milliseconds of spawning a
+    process; the server lives as long as this process (the engine's open then only waits
+    for its preload)."""
+    if config.backend != "tractor" or multiprocessing.current_process().name != "MainProcess":
         return False
     if resolve_start_method(config.worker_start_method, config.device) != "forkserver":
         return False
@@ -218,20 +224,40 @@ def start_fork_server_early(config: EngineConfig) -> bool:
         check_main_guard()  # the server runs the main module: refused later, one line
     except InvalidConfigError:
         return False
-    _silence_tractor_warnings()  # the server's environment is every worker's: set it first
-    import tractor
-    from tractor import _spawn
+    try:
+        _silence_tractor_warnings()  # the server's environment is every worker's: first
+        import tractor
+        from tractor import _spawn
 
-    if tractor.current_actor(err_on_no_runtime=False) is not None or _forkserver_pid():
+        if tractor.current_actor(err_on_no_runtime=False) is not None or _forkserver_pid():
+            return False
+        _spawn.try_set_start_method("forkserver")  # tractor's replaces the stdlib's
+        from multiprocessing import forkserver
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        with secrets_hidden(), _tractor_breakpoint_hook():
+            forkserver.ensure_running()
+    except Exception as exc:  # the engine starts it (or fails to) itself, and says so
+        log.debug("fork server not started early: %r", exc)
         return False
-    _spawn.try_set_start_method("forkserver")  # tractor's fork server replaces the stdlib's
-    from multiprocessing import forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    with secrets_hidden():
-        forkserver.ensure_running()
     log.debug("fork server started early (pid %s)", _forkserver_pid())
     return True
+
+
+@contextmanager
+def _tractor_breakpoint_hook() -> Iterator[None]:
+    """``PYTHONBREAKPOINT`` as tractor's root actor sets it for the process (and so for a
+    fork server the engine starts under it), for the block only."""
+    before = os.environ.get("PYTHONBREAKPOINT")
+    os.environ["PYTHONBREAKPOINT"] = TRACTOR_BREAKPOINT_HOOK
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONBREAKPOINT", None)
+        else:
+            os.environ["PYTHONBREAKPOINT"] = before
 
 
 def _runs(pid: int) -> bool:

@@ -524,6 +524,12 @@ class _Daemon:
         except (InvalidConfigError, ValueError) as exc:
             log.error("bad configuration: %s", exc)
             return EXIT_CONFIG
+        if pool.stage == "inline":  # (stage processes start their own)
+            # The workers' fork server, if its engines would start one: its preload (torch
+            # and diffusers, seconds on one core) runs while this binds and opens the engine.
+            from ..executors.tractor_executor import start_fork_server_early
+
+            start_fork_server_early(c.engine)
         self._log_start()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, signals)
@@ -737,23 +743,6 @@ async def _main(
         return await _Daemon(config, notifier, watchdog_s, out, deadline).run(signals)
 
 
-def _start_fork_server_early(config: ServeConfig) -> None:
-    """A replica engine in this process whose workers fork from a fork server: start that
-    server now, so that its preload (torch and diffusers: seconds, on one core) runs while
-    this process binds its listener and opens the engine.  A bad configuration is left to
-    the daemon to report."""
-    from .pool import resolve_stage
-
-    try:
-        if resolve_stage(config.stage, config.replicas, config.engine.backend) != "inline":
-            return  # the stage processes start their own
-    except InvalidConfigError:
-        return
-    from ..executors.tractor_executor import start_fork_server_early
-
-    start_fork_server_early(config.engine)
-
-
 def serve_daemon(
     config: ServeConfig,
     *,
@@ -770,7 +759,6 @@ def serve_daemon(
     gives one), it is armed at the stop request and left armed: the caller is about to end
     the process, and the interpreter's teardown is bounded by it too."""
     configure_logging(config.log_format, config.log_level)
-    _start_fork_server_early(config)
     watchdog_s = watchdog_interval()
     notifier = SystemdNotifier.from_environ(unset=True)
     deadline = exit_deadline if exit_deadline is not None else ExitDeadline()

@@ -1286,24 +1286,27 @@ class EnginePool:
         was measured for is never refused here.  Nothing is checked before a rate is
         measured, or with more than :data:`ESTIMATE_MAX_IN_FLIGHT` in flight (an estimate
         is O(in flight))."""
-        if self.engine_config.scheduling_policy != "priority":
+        config = self.engine_config
+        if config.scheduling_policy != "priority":
             return
+        own_priority = params.priority
+        if not config.min_priority <= own_priority <= config.max_priority:
+            return  # invalid: the engine's validation says so (400), not a 429
         if len(self._active) > ESTIMATE_MAX_IN_FLIGHT:
             return
         work_rate = self.work_rate()
         if work_rate is None or work_rate <= 0:
             return
-        own_priority = params.priority
         if not self._arrivals.rate(trio.current_time(), lambda p, _: p < own_priority):
             return  # nothing better arrives: nothing passes it
         ahead, own_run, share = self._priority_estimate(params, work_rate)
-        plain = ahead / work_rate + own_run  # were nothing better arriving
+        # Its own finish scaled by its priority's measured error (how far later better
+        # arrivals passed such requests beyond the estimate), a full queue's by everyone's.
+        plain = (ahead / work_rate + own_run) * self.estimate_factor(own_priority)
+        finish = plain / share
         own_work = request_work(params) * self._weight(self._pixels_of(params))
-        # Each scaled by its measured error: its priority's (how far later better arrivals
-        # passed such requests beyond the estimate), and everyone's.
-        finish = plain / share * self.estimate_factor(params.priority)
-        limit = max(plain, self._full_queue_finish_s(own_work, work_rate))
-        limit *= self.estimate_factor()
+        full = self._full_queue_finish_s(own_work, work_rate) * self.estimate_factor()
+        limit = max(plain, full)  # nothing passing it: never refused
         if finish > limit:
             raise PassedTooLongError(finish, limit, len(self._active), self.max_queue_len)
 

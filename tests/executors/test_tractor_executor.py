@@ -138,6 +138,11 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _environ(pid: int) -> list[bytes]:
+    """``NAME=value`` entries of the environment process ``pid`` started with."""
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 def _processes() -> dict[int, tuple[str, int]]:
     """pid -> (state, ppid) of every process now."""
     found: dict[int, tuple[str, int]] = {}
@@ -883,11 +888,18 @@ async def test_a_fork_server_started_early_is_the_one_the_engine_forks_from(
             for pid in info["workers"]:
                 stat = _stat(pid)
                 assert stat is not None and stat[1] == info["server"]
+            # The environment the engine would have given it (every worker inherits it).
+            environ = _environ(info["server"])
+            assert b"PYTHONBREAKPOINT=tractor._debug._set_trace" in environ
+            warnings = [e for e in environ if e.startswith(b"PYTHONWARNINGS=")]
+            assert warnings and b"ignore::FutureWarning" in warnings[0]
 
 
 def test_a_fork_server_starts_early_only_where_the_engine_would_start_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import multiprocessing
+
     from omni_trio.executors import tractor_executor as te
 
     server = te._forkserver_pid()
@@ -898,6 +910,11 @@ def test_a_fork_server_starts_early_only_where_the_engine_would_start_one(
         EngineConfig(backend="tractor", num_workers=2, worker_start_method="auto"),  # CUDA?
     ):
         assert te.start_fork_server_early(config) is False
+    monkeypatch.setattr(te, "cuda_possible", lambda: False)
+    forked = EngineConfig(backend="tractor", num_workers=2, worker_start_method="forkserver")
+    # Only the main process may start one (the engine would refuse in a child).
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "Child-1")
+    assert te.start_fork_server_early(forked) is False
     assert te._forkserver_pid() == server  # none started
 
 

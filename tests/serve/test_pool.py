@@ -523,7 +523,6 @@ async def test_under_priority_each_priority_gets_its_own_measured_estimate_error
                 # (The first ones are not estimated: no rate is measured before them.)
                 for index in range(pool_module.ESTIMATE_MIN_SAMPLES + 4):
                     await final_of(pool.submit(f"p{index}", SHORT.replace(priority=5)))
-                assert pool.estimate_factor(5) >= 1.0
                 if policy == "priority":
                     assert pool._priority_errors[5].measured
                     for _ in range(pool_module.ESTIMATE_WINDOW):
@@ -533,6 +532,32 @@ async def test_under_priority_each_priority_gets_its_own_measured_estimate_error
                 else:
                     assert not pool._priority_errors
                     assert pool.estimate_factor(5) == pool.estimate_factor()
+                await _check_deadlines_scaled_by_priority(pool, refused=policy == "priority")
+
+
+async def _check_deadlines_scaled_by_priority(pool: EnginePool, *, refused: bool) -> None:
+    """A deadline that covers the estimate but not 3x it: refused for priority 5 whose own
+    factor is 3 (``refused``), admitted for priority 0 (everyone's factor, about 1)."""
+    running = pool.submit("p", LONG, request_id="running")
+    engine = pool.replica_engine(0)
+    assert engine is not None
+    await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
+    work_rate = pool.work_rate()
+    assert work_rate is not None
+    w = pool.step_weight()(64 * 64)
+    fits = 1.5 * (LONG.num_inference_steps + 2 * SHORT.num_inference_steps) * w / work_rate
+    assert pool.estimate_factor() < 1.5
+    held = [running]
+    low = SHORT.replace(priority=5, deadline_s=fits)  # first: nothing waits, nothing passes
+    if refused:
+        with pytest.raises(QueueWaitError, match="timeout"):
+            pool.submit("p", low, request_id="p5")
+    else:
+        held.append(pool.submit("p", low, request_id="p5"))
+    held.append(pool.submit("p", SHORT.replace(deadline_s=fits), request_id="p0"))
+    for submission in held:
+        pool.abort(submission.request_id)
+        await final_of(submission)
 
 
 async def test_under_priority_the_wait_counts_only_who_runs_first() -> None:
@@ -646,6 +671,21 @@ async def test_under_priority_a_request_passed_longer_than_a_full_queue_takes_ge
         with trio.fail_after(CAP_S):
             async with serving(EnginePool(config, max_queue_len=4)) as pool:
                 await _check_passed_after_a_burst(pool, policy)
+
+
+async def test_under_priority_nothing_waiting_means_nothing_passes() -> None:
+    """With nothing waiting no later arrival passes a request: not refused with 429 even
+    where its priority's measured error is larger than everyone's (``max_queue_len`` 1:
+    its own finish is a full queue's)."""
+    config = echo_config(scheduling_policy="priority", max_num_seqs=1)
+    with trio.fail_after(CAP_S):
+        async with serving(EnginePool(config, max_queue_len=1)) as pool:
+            for index in range(3):
+                await final_of(pool.submit(f"p{index}", SHORT.replace(priority=-5)))
+            for _ in range(pool_module.ESTIMATE_WINDOW):
+                pool._priority_errors.setdefault(5, EstimateError()).record(1.0, 3.0)
+            assert pool.estimate_factor(5) == 3.0 > pool.estimate_factor()
+            await final_of(pool.submit("p", SHORT.replace(priority=5), request_id="low"))
 
 
 async def _check_passed_after_a_burst(pool: EnginePool, policy: str) -> None:
