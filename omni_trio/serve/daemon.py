@@ -524,12 +524,6 @@ class _Daemon:
         except (InvalidConfigError, ValueError) as exc:
             log.error("bad configuration: %s", exc)
             return EXIT_CONFIG
-        if pool.stage == "inline":  # (stage processes start their own)
-            # The workers' fork server, if its engines would start one: its preload (torch
-            # and diffusers, seconds on one core) runs while this binds and opens the engine.
-            from ..executors.tractor_executor import start_fork_server_early
-
-            start_fork_server_early(c.engine)
         self._log_start()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, signals)
@@ -743,6 +737,24 @@ async def _main(
         return await _Daemon(config, notifier, watchdog_s, out, deadline).run(signals)
 
 
+def _start_fork_server_early(config: ServeConfig) -> None:
+    """The workers' fork server, if this process's replica engines would start one: started
+    now, its preload (torch and diffusers: seconds, on one core) runs while this process
+    imports the HTTP stack, binds its listener and opens the engine.  Stage processes start
+    their own; a bad configuration is the daemon's to report.  (A daemon that then fails,
+    say to bind, leaves it to end with this process.)"""
+    from .pool import resolve_stage
+
+    try:
+        if resolve_stage(config.stage, config.replicas, config.engine.backend) != "inline":
+            return
+    except InvalidConfigError:
+        return
+    from ..executors.tractor_executor import start_fork_server_early
+
+    start_fork_server_early(config.engine)
+
+
 def serve_daemon(
     config: ServeConfig,
     *,
@@ -761,6 +773,7 @@ def serve_daemon(
     configure_logging(config.log_format, config.log_level)
     watchdog_s = watchdog_interval()
     notifier = SystemdNotifier.from_environ(unset=True)
+    _start_fork_server_early(config)  # (systemd's variables are gone: workers inherit it)
     deadline = exit_deadline if exit_deadline is not None else ExitDeadline()
     try:
         return trio.run(_main, config, notifier, watchdog_s, out or sys.stdout, deadline)

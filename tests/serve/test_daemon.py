@@ -587,19 +587,19 @@ def test_ray_replicas_join_the_given_cluster_and_serve(
 
 @pytest.mark.slow
 def test_data_parallel_workers_serve_concurrent_requests(
-    start_daemon: Callable[..., Daemon],
+    start_daemon: Callable[..., Daemon], notify: NotifyListener
 ) -> None:
     """``--data-parallel 2``: two worker processes under the daemon (forked from a fork
     server: the daemon's default on a machine without CUDA), four clients at once, each
     answered with its own picture (matched by id, never by position); SIGTERM drains and no
-    worker is left."""
+    worker is left.  Under systemd no worker inherits ``NOTIFY_SOCKET``."""
     from PIL import Image
 
     from omni_trio.models import decode_echo_image
 
     daemon = start_daemon(
         "--data-parallel", "2", "--threads", "1", "--model-option", f"step_delay_s={STEP_S}",
-        "--log-level", "debug",
+        "--log-level", "debug", env={"NOTIFY_SOCKET": notify.path},
     )  # fmt: skip
     daemon.wait_listening()
     daemon.wait_ready()
@@ -615,6 +615,9 @@ def test_data_parallel_workers_serve_concurrent_requests(
     early = daemon.stderr.find("fork server started early")
     assert (early != -1) is forked, daemon.stderr
     assert early < daemon.stderr.find("listening on"), daemon.stderr
+    for pid in workers:  # the fork server too, where there is one
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [e for e in environ if e.startswith(b"NOTIFY_SOCKET=")], pid
     background = [generate_in_background(daemon, 6) for _ in range(4)]
     responses = [result_of(thread, result) for thread, result in background]
     assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
