@@ -534,7 +534,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_webhook_url": (400, "a webhook_url that is not an allowed http(s) URL"),
     "invalid_last_event_id": (400, "Last-Event-ID is not an event number"),
     "file_not_found": (404, "no such file (unknown or expired)"),
-    "queue_full": (429, "max_queue_len requests in flight (Retry-After)"),
+    "queue_full": (
+        429,
+        "max_queue_len requests in flight, or (policy `priority`) better-priority arrivals "
+        "would hold this one longer than a full queue would (Retry-After)",
+    ),
     "response_memory_full": (429, "max_response_bytes_in_flight held (Retry-After)"),
     "too_many_connections": (503, "max_connections open"),
     "queue_wait_too_long": (503, "the estimated wait is over max_queue_wait_s or the timeout"),
