@@ -646,11 +646,7 @@ async def test_under_priority_better_arrivals_to_come_count_in_the_estimate() ->
             alone = pool.submit("p", roomy, request_id="alone")  # nothing waits: admitted
             pool.abort(alone.request_id)
             await final_of(alone)
-            running = pool.submit("p", LONG.replace(priority=5), request_id="running")
-            engine = pool.replica_engine(0)
-            assert engine is not None
-            await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
-            waiting = pool.submit("p", LONG.replace(priority=5), request_id="waiting")
+            running, waiting = await _one_running_one_waiting(pool)
             # In arrival order it would finish within its deadline; the better ones that
             # keep coming take most of the rate of work.
             with pytest.raises(QueueWaitError, match="timeout"):
@@ -695,12 +691,7 @@ async def _check_passed_after_a_burst(pool: EnginePool, policy: str) -> None:
     for submission in burst:  # gone again: only their arrivals are remembered
         pool.abort(submission.request_id)
         await final_of(submission)
-    running = pool.submit("p", LONG.replace(priority=5), request_id="running")
-    engine = pool.replica_engine(0)
-    assert engine is not None
-    await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
-    waiting = pool.submit("p", LONG.replace(priority=5), request_id="waiting")
-    held = [running, waiting]
+    held = list(await _one_running_one_waiting(pool))
     low = SHORT.replace(priority=5)
     if policy == "priority":
         with pytest.raises(PassedTooLongError) as info:
@@ -713,6 +704,16 @@ async def _check_passed_after_a_burst(pool: EnginePool, policy: str) -> None:
     for submission in held:
         pool.abort(submission.request_id)
         await final_of(submission)
+
+
+async def _one_running_one_waiting(pool: EnginePool) -> tuple[Submission, Submission]:
+    """Two LONG requests of priority 5 on a one-slot pool: "running" (once it runs), then
+    "waiting" behind it."""
+    running = pool.submit("p", LONG.replace(priority=5), request_id="running")
+    engine = pool.replica_engine(0)
+    assert engine is not None
+    await wait_until(lambda: engine.status("running") is RequestStatus.RUNNING)
+    return running, pool.submit("p", LONG.replace(priority=5), request_id="waiting")
 
 
 async def test_under_fair_the_estimate_counts_turns_not_arrival_order() -> None:
