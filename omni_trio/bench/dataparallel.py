@@ -39,8 +39,8 @@ flight at the kill took after it (``in_flight_done_after_kill_s``: a request the
 held waits for its restart, or moves to a live one).  Which process is a worker: a descendant
 of the daemon whose command line names tractor's child entry point (``--worker-start-method
 forkserver`` starts them from a fork server, also a descendant) or Ray's worker actor
-(``ray::RayWorker``); for ``stages2``, a stage process (its command line names
-``omni_trio.runtime.stage_child``).
+(``ray::RayWorker``); for ``stages2``, a stage process (named ``omni-trio-stage``; one
+started as a new interpreter also by its command line, ``omni_trio.runtime.stage_child``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..runtime.stage_child import PROCESS_NAME
 from .harness import (
     Progress,
     Report,
@@ -161,16 +162,17 @@ class Daemon:
 
     def worker_pids(self) -> list[int]:
         """The processes the kill probe may kill.  ``stages2``: the stage processes (each
-        runs its engine's worker thread).  Otherwise the descendants that are worker
-        processes: tractor's (started as tractor's child entry point, or forked by a fork
-        server, whose own command line names it) or Ray's worker actors."""
+        runs its engine's worker thread; forked from the fork server by default).
+        Otherwise the descendants that are worker processes: tractor's (started as
+        tractor's child entry point, or forked by a fork server, whose own command line
+        names it) or Ray's worker actors."""
         from ..serve.daemon import descendant_pids
 
         found = []
         for pid in descendant_pids(self.proc.pid):
             cmdline = _cmdline(pid)
             if self.name == "stages2":
-                if "omni_trio.runtime.stage_child" in cmdline:
+                if "omni_trio.runtime.stage_child" in cmdline or _comm(pid) == PROCESS_NAME:
                     found.append(pid)
                 continue
             forked = "forkserver" in _cmdline(_parent(pid))
@@ -186,6 +188,15 @@ def _parent(pid: int) -> int:
             return int(file.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _comm(pid: int) -> str:
+    """The process's name (``/proc/PID/comm``), "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as file:
+            return file.read().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:

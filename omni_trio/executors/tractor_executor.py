@@ -49,6 +49,7 @@ from ..errors import EngineDeadError, InvalidConfigError, WorkerError
 from ..ipc import SegmentRegistry, owner_tag, sweep_orphans
 from ..ipc.handshake import guard_tractor_handshake
 from ._main_guard import check_main_guard, main_rerun_failure
+from ._process import ForkedProcess, call_import_path
 from ._process import wait_exited as _wait_exited
 from .group import (
     KILL_WAIT_S,
@@ -69,7 +70,9 @@ __all__ = [
     "TractorTransport",
     "cuda_possible",
     "resolve_start_method",
+    "stage_forks",
     "start_fork_server_early",
+    "start_forked",
 ]
 
 log = logging.getLogger(__name__)
@@ -144,7 +147,7 @@ def _may_handle_sigterm() -> bool:
 
 # What the fork server imports once, so that no forked worker pays for it: torch, diffusers
 # (with the pipeline, UNet and CLIP modules the built-in and local SD-family models load) and
-# our worker code.  "__main__" as in the stdlib default: the engine's main script is run
+# our worker and stage code.  "__main__" as in the stdlib default: the engine's main script is run
 # (as ``__mp_main__``) once in the fork server instead of once in every worker.  A module
 # that is not installed is skipped by the fork server.  None of them starts a thread or
 # initialises CUDA at import (a fork server must stay single-threaded and CUDA-free).
@@ -162,6 +165,7 @@ FORKSERVER_PRELOAD = (
     "omni_trio.worker.worker_thread",
     "omni_trio.worker.worker",
     "omni_trio.worker.tractor_actor",
+    "omni_trio.runtime.stage_child",  # a stage process of an inproc engine is forked too
 )
 
 # What tractor 0.1.0a5's root actor sets PYTHONBREAKPOINT to (tractor/_root.py).
@@ -203,46 +207,97 @@ def _ensure_forkserver(preload: list[str]) -> None:
     _forkserver_warm_pid = pid
 
 
-def start_fork_server_early(config: EngineConfig) -> bool:
-    """Start now the fork server that an engine of ``config`` would start when it opens,
-    and return without waiting for its preload (:data:`FORKSERVER_PRELOAD`: seconds of
-    import on one core), so that the preload overlaps what the caller does before it opens
-    the engine (``omni-trio serve`` binds its listener meanwhile); True if it was started
-    here.  Does nothing (False) unless the engine would start one itself: the tractor
-    backend, workers forked from the fork server (:func:`resolve_start_method`), this the
-    main process, the main module guarded, no tractor runtime in this process and no fork
-    server yet; nor where starting it fails (the engine then reports that itself).  The
-    server gets the environment the engine would give it (secrets hidden, tractor's
-    warning filters and breakpoint hook).  Blocks for the few milliseconds of spawning a
-    process; the server lives as long as this process (the engine's open then only waits
-    for its preload)."""
-    if config.backend != "tractor" or multiprocessing.current_process().name != "MainProcess":
+def stage_forks(config: EngineConfig) -> bool:
+    """Whether a stage process of ``config`` (``open_engine(config, stage="process")``) is
+    forked from the fork server rather than started as a new interpreter: where its engine
+    runs in the stage process itself (the ``inproc`` backend: the stage process is the one
+    that runs the model), ``worker_start_method`` means ``forkserver`` here
+    (:func:`resolve_start_method`: the main process, no CUDA possible unless asked for) and
+    the main module is guarded (the fork server runs it).  A stage process of a tractor or
+    Ray engine starts as a new interpreter: its own workers need a main process of their
+    own."""
+    if config.backend != "inproc":
         return False
     if resolve_start_method(config.worker_start_method, config.device) != "forkserver":
         return False
     try:
-        check_main_guard()  # the server runs the main module: refused later, one line
+        check_main_guard()
     except InvalidConfigError:
         return False
+    return True
+
+
+def _use_fork_server() -> None:
+    """Select tractor's fork server (it replaces the stdlib's) and start it, with
+    :data:`FORKSERVER_PRELOAD` and the environment the engine would give it (secrets hidden,
+    tractor's warning filters and breakpoint hook), if none runs yet.  Returns at once: the
+    preload runs on in the server."""
+    _silence_tractor_warnings()  # the server's environment is every worker's: first
+    from tractor import _spawn
+
+    _spawn.try_set_start_method("forkserver")
+    from multiprocessing import forkserver
+
+    if _forkserver_pid() is None:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    with secrets_hidden(), _tractor_breakpoint_hook():
+        forkserver.ensure_running()
+
+
+def start_fork_server_early(config: EngineConfig, stage: str = "inline") -> bool:
+    """Start now the fork server that an engine of ``config`` would start when it opens
+    (``stage="process"``: that its stage processes are forked from), and return without
+    waiting for its preload (:data:`FORKSERVER_PRELOAD`: seconds of import on one core), so
+    that the preload overlaps what the caller does before it opens the engine
+    (``omni-trio serve`` binds its listener meanwhile); True if it was started here.  Does
+    nothing (False) unless the engine would start one itself: inline, the tractor backend
+    with workers forked from the fork server (:func:`resolve_start_method`), this the main
+    process, the main module guarded and no tractor runtime in this process; as a stage,
+    :func:`stage_forks`; never if a fork server runs already, nor where starting it fails
+    (the engine then reports that itself).  Blocks for the few milliseconds of spawning a
+    process; the server lives as long as this process (the engine's open then only waits
+    for its preload)."""
+    if stage == "process":
+        if not stage_forks(config):
+            return False
+    elif (
+        config.backend != "tractor"
+        or multiprocessing.current_process().name != "MainProcess"
+        or resolve_start_method(config.worker_start_method, config.device) != "forkserver"
+    ):
+        return False
+    else:
+        try:
+            check_main_guard()  # the server runs the main module: refused later, one line
+        except InvalidConfigError:
+            return False
     try:
-        _silence_tractor_warnings()  # the server's environment is every worker's: first
+        _silence_tractor_warnings()  # before the first import of tractor, which warns
         import tractor
-        from tractor import _spawn
 
         if tractor.current_actor(err_on_no_runtime=False) is not None or _forkserver_pid():
             return False
-        _spawn.try_set_start_method("forkserver")  # tractor's replaces the stdlib's
-        from multiprocessing import forkserver
-
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        with secrets_hidden(), _tractor_breakpoint_hook():
-            forkserver.ensure_running()
+        _use_fork_server()
     except Exception as exc:  # the engine starts it (or fails to) itself, and says so
         log.debug("fork server not started early: %r", exc)
         return False
     log.debug("fork server started early (pid %s)", _forkserver_pid())
     return True
+
+
+def start_forked(target: str, args: tuple[Any, ...], *, name: str) -> ForkedProcess:
+    """Fork a process running ``target(*args)`` (``target``: the import path of a function,
+    ``"package.module:function"``) from the fork server (started first if none
+    runs: :func:`start_fork_server_early`'s environment) and return it once it is forked;
+    ``args`` may hold sockets (passed over).  Blocking, for as long as the server's preload
+    may still take (seconds): call it in a thread.  Raises ``OSError``/``EOFError`` if the
+    fork server cannot start or fork."""
+    _use_fork_server()
+    _ensure_forkserver(list(FORKSERVER_PRELOAD))  # (waits for the preload)
+    context = multiprocessing.get_context("forkserver")
+    process = context.Process(target=call_import_path, args=(target, *args), name=name)
+    process.start()
+    return ForkedProcess(process)
 
 
 @contextmanager

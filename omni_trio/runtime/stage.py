@@ -1,9 +1,12 @@
 """A process-backed stage: the whole engine in a child process, the same API in the caller.
 
 ``open_engine(config, stage="process")`` (and ``Engine(config, stage="process")``) start
-``python -m omni_trio.runtime.stage_child`` in a new session (its own process group), hand
-it ``config`` over a socketpair and wait for its READY handshake: the child has opened the
-engine (worker group up, warmup done) -- or its error, raised here.  The caller then holds a
+a stage process in a new session (its own process group) -- ``python -m
+omni_trio.runtime.stage_child`` handed one end of a socketpair, or, for an inproc engine
+whose ``worker_start_method`` allows it (:func:`~omni_trio.executors.tractor_executor.stage_forks`),
+forked from the fork server and connecting back to a Unix socket -- hand it ``config`` and
+wait for its READY handshake: the child has opened the engine (worker group up, warmup
+done) -- or its error, raised here.  The caller then holds a
 :class:`StageEngine`, which answers what :class:`~omni_trio.runtime.engine.AsyncEngine`
 answers:
 
@@ -50,11 +53,12 @@ import secrets
 import signal
 import socket
 import sys
+import tempfile
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -72,7 +76,9 @@ from ..errors import (
     InvalidConfigError,
     PayloadError,
 )
-from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
+from ..executors._process import ForkedProcess
+from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S, is_secret_env_name
+from ..executors.tractor_executor import stage_forks, start_forked
 from .pictures import canonical_pictures
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, decode_error, frame
@@ -94,6 +100,9 @@ __all__ = ["STAGES", "StageEngine", "engine_close_bound_s", "open_stage_engine"]
 log = logging.getLogger(__name__)
 
 STAGES = ("inline", "process")
+# The entry of a forked stage process (by path: that module imports the engine, which imports
+# this one).
+SERVE_FORKED = "omni_trio.runtime.stage_child:serve_forked"
 # Past close_timeout_s: how long the stage process gets to exit after closing its engine,
 # then after SIGTERM, before its process group is killed.
 CLOSE_MARGIN_S = 5.0
@@ -166,7 +175,7 @@ class StageEngine:
     def __init__(
         self,
         config: EngineConfig,
-        process: trio.Process,
+        process: _StageProcess,
         connection: trio.SocketStream,
         reader: FrameReader,
         model_info: ModelInfo | None,
@@ -703,6 +712,94 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+class _StageProcess(Protocol):
+    """What the stage needs of its process: a :class:`trio.Process` (a new interpreter, our
+    child) or a :class:`~omni_trio.executors._process.ForkedProcess` (the fork server's)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+_Socket = trio.socket.SocketType
+
+
+async def _start_stage_process(config: EngineConfig) -> tuple[_StageProcess, _Socket]:
+    """The stage process and this side of its connection: forked from the fork server where
+    :func:`~omni_trio.executors.tractor_executor.stage_forks` says so (the fork server's
+    preload is done once for every stage; waited for, uncancellably, the first time), else
+    -- or if the fork server fails -- a new interpreter in a new session, handed one end of
+    a socketpair."""
+    if stage_forks(config):
+        try:
+            return await _fork_stage()
+        except (OSError, EOFError) as exc:
+            log.warning("stage process not forked (%r): starting a new interpreter", exc)
+    ours, theirs = socket.socketpair()
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "omni_trio.runtime.stage_child", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return process, trio.socket.from_stdlib_socket(ours)
+
+
+async def _fork_stage() -> tuple[ForkedProcess, _Socket]:
+    """Fork a stage process, which connects back to a Unix socket in a directory only this
+    user can enter (a fork server cannot hand it one end of a socketpair: tractor's loses
+    the descriptors it is sent).  It gets this process's environment, secrets left out,
+    and working directory.  Raises :class:`EngineDeadError` if it ends before it
+    connected; cancelled meanwhile, it is killed."""
+    environ = {k: v for k, v in os.environ.items() if not is_secret_env_name(k)}
+    with tempfile.TemporaryDirectory(prefix="omni-trio-stage-") as directory:
+        path = os.path.join(directory, "stage.sock")
+        with trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            await listener.bind(path)
+            listener.listen(1)
+            start = functools.partial(
+                start_forked, SERVE_FORKED, (path, environ, os.getcwd()), name="omni-trio-stage"
+            )
+            process = await trio.to_thread.run_sync(start)
+            connection: _Socket | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_exit, process, nursery.cancel_scope)
+                    connection, _ = await listener.accept()
+                    nursery.cancel_scope.cancel()
+            finally:
+                if connection is None:
+                    with trio.CancelScope(shield=True):
+                        _kill_group(process.pid)
+                        process.kill()
+                        await process.wait()
+    if connection is None:
+        code = process.returncode
+        raise EngineDeadError(
+            f"the stage process {process.pid} ended while starting"
+            + ("" if code is None else f" (exit code {code})")
+        )
+    return process, connection
+
+
+async def _cancel_on_exit(process: _StageProcess, scope: trio.CancelScope) -> None:
+    await process.wait()
+    scope.cancel()
+
+
 @asynccontextmanager
 async def open_stage_engine(config: EngineConfig) -> AsyncIterator[StageEngine]:
     """Start a stage process running ``open_engine(config)`` and yield its
@@ -717,19 +814,8 @@ async def open_stage_engine(config: EngineConfig) -> AsyncIterator[StageEngine]:
             f"the engine config cannot be sent to a stage process: {type(exc).__name__}: {exc}",
             field="stage",
         ) from exc
-    ours, theirs = socket.socketpair()
-    try:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "omni_trio.runtime.stage_child", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            start_new_session=True,
-        )
-    except BaseException:
-        ours.close()
-        raise
-    finally:
-        theirs.close()
-    connection = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+    process, ours = await _start_stage_process(config)
+    connection = trio.SocketStream(ours)
     reader = FrameReader(connection)
     started = False
     try:

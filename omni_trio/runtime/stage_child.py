@@ -1,7 +1,8 @@
 """The stage process: one engine in a child process, served over a socket to its caller.
 
 Run as ``python -m omni_trio.runtime.stage_child FD`` by :func:`.stage.open_stage_engine`,
-``FD`` being this process's end of a socketpair (see :mod:`.stage_wire` for the messages).
+``FD`` being this process's end of a socketpair (see :mod:`.stage_wire` for the messages), or
+forked from the fork server into :func:`serve_forked` with that socket.
 :func:`serve_stage` opens the engine the first message configures, says ``ready`` (or
 ``failed``, with the error, and returns), then carries out the caller's messages until
 ``close`` or the end of the connection -- the caller closed or died: the engine is closed
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
 import socket
 import sys
@@ -35,7 +37,15 @@ from .engine import AsyncEngine, open_engine
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, encode_error, frame
 
-__all__ = ["CALLS", "STATE_PERIOD_S", "main", "serve_stage", "snapshot"]
+__all__ = [
+    "CALLS",
+    "PROCESS_NAME",
+    "STATE_PERIOD_S",
+    "main",
+    "serve_forked",
+    "serve_stage",
+    "snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -289,13 +299,60 @@ async def serve_stage(sock: socket.socket) -> None:
             _post(send, ("closed", snapshot(opened[0], set())))
 
 
+# What ``ps``/``top`` call a stage process (Linux ``/proc/PID/comm``; a forked one's command
+# line is its fork server's).
+PROCESS_NAME = "omni-trio-stage"
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name (``PR_SET_NAME``) where the platform allows; else nothing."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _serve(sock: socket.socket) -> None:
+    _name_process(PROCESS_NAME)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s stage %(name)s: %(message)s")
+    trio.run(serve_stage, sock)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The entry of a stage process started as a new interpreter: ``python -m
+    omni_trio.runtime.stage_child FD``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
         raise SystemExit("usage: python -m omni_trio.runtime.stage_child FD")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s stage %(name)s: %(message)s")
-    sock = socket.socket(fileno=int(args[0]))
-    trio.run(serve_stage, sock)
+    _serve(socket.socket(fileno=int(args[0])))
+
+
+def serve_forked(path: str, environ: dict[str, str], cwd: str) -> None:
+    """The entry of a stage process forked from the fork server (the caller's
+    :func:`~omni_trio.executors.tractor_executor.start_forked`): first it becomes what a
+    new interpreter started by the caller would be -- its own session and process group
+    (the caller kills the group), the caller's environment (``environ``: secrets left out)
+    and working directory as they were when the stage was opened rather than the fork
+    server's from when it started, and the caller's ``PYTHONPATH`` entries on ``sys.path``
+    -- then it connects to the caller's Unix socket at ``path`` and serves there as
+    :func:`main` does."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        os.chdir(cwd)
+    except OSError:  # gone since: stay where the fork server is, as a new process could not
+        pass
+    entries = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in reversed(entries):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    _serve(sock)
 
 
 if __name__ == "__main__":

@@ -738,21 +738,21 @@ async def _main(
 
 
 def _start_fork_server_early(config: ServeConfig) -> None:
-    """The workers' fork server, if this process's replica engines would start one: started
-    now, its preload (torch and diffusers: seconds, on one core) runs while this process
-    imports the HTTP stack, binds its listener and opens the engine.  Stage processes start
-    their own; a bad configuration is the daemon's to report.  (A daemon that then fails,
-    say to bind, leaves it to end with this process.)"""
+    """The fork server, if this process's replica engines (inline) or stage processes
+    would start one: started now, its preload (torch and diffusers: seconds, on one core)
+    runs while this process imports the HTTP stack, binds its listener and opens the
+    engines.  Stage processes of a tractor or Ray engine start their own; a bad
+    configuration is the daemon's to report.  (A daemon that then fails, say to bind,
+    leaves it to end with this process.)"""
     from .pool import resolve_stage
 
     try:
-        if resolve_stage(config.stage, config.replicas, config.engine.backend) != "inline":
-            return
+        stage = resolve_stage(config.stage, config.replicas, config.engine.backend)
     except InvalidConfigError:
         return
     from ..executors.tractor_executor import start_fork_server_early
 
-    start_fork_server_early(config.engine)
+    start_fork_server_early(config.engine, stage)
 
 
 def serve_daemon(

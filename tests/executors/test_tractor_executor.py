@@ -918,6 +918,30 @@ def test_a_fork_server_starts_early_only_where_the_engine_would_start_one(
     assert te._forkserver_pid() == server  # none started
 
 
+def test_a_stage_forks_only_an_inproc_engine_whose_workers_may_fork(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage process of an inproc engine is the process that runs the model: forked from
+    the fork server where a worker of it would be; a stage of a tractor or Ray engine is a
+    new interpreter (its workers need a main process of their own), and so is one where
+    CUDA may be used or the start method says ``trio``."""
+    import multiprocessing
+
+    from omni_trio.executors import tractor_executor as te
+
+    monkeypatch.setattr(te, "cuda_possible", lambda: False)
+    assert te.stage_forks(EngineConfig(worker_start_method="auto"))
+    assert te.stage_forks(EngineConfig(worker_start_method="forkserver", device="cpu"))
+    assert not te.stage_forks(EngineConfig())  # the library's default: trio
+    for backend in ("tractor", "ray"):
+        assert not te.stage_forks(EngineConfig(backend=backend, worker_start_method="auto"))
+    monkeypatch.setattr(te, "cuda_possible", lambda: True)
+    assert not te.stage_forks(EngineConfig(worker_start_method="auto"))  # a GPU may be picked
+    assert te.stage_forks(EngineConfig(worker_start_method="auto", device="cpu"))
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "Child-1")
+    assert not te.stage_forks(EngineConfig(worker_start_method="auto", device="cpu"))
+
+
 def test_worker_start_method_is_validated() -> None:
     assert EngineConfig().worker_start_method == "trio"
     assert EngineConfig(worker_start_method="forkserver").worker_start_method == "forkserver"

@@ -4,6 +4,7 @@ and tractor backends inside the stage)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,10 +30,12 @@ from omni_trio import (
 )
 from omni_trio._core.health import EngineState, SleepState
 from omni_trio._core.lifecycle import RequestStatus
+from omni_trio._core.messages import DiffusionOutput
 from omni_trio.errors import PayloadError
 from omni_trio.models import decode_echo_image
 from omni_trio.runtime import stage as stage_module
 from omni_trio.runtime.stage import StageEngine
+from omni_trio.runtime.stage_child import PROCESS_NAME
 from tests.executors.test_tractor_executor import poll_until
 
 pytestmark = pytest.mark.slow  # starts processes (see tests/spawn_guard.py)
@@ -43,9 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def config(cache_dir: Path, **overrides: Any) -> EngineConfig:
     overrides.setdefault("warmup", False)
-    return EngineConfig(
-        model="builtin:echo", cache_dir=str(cache_dir), torch_threads=1, **overrides
-    )
+    overrides.setdefault("model", "builtin:echo")
+    return EngineConfig(cache_dir=str(cache_dir), torch_threads=1, **overrides)
 
 
 def params(**kw: Any) -> SamplingParams:
@@ -158,6 +160,19 @@ async def test_abort_and_consumer_drop_cross_over(cache_dir: Path) -> None:
             assert engine.leftovers()["stage_streams"] == set()
 
 
+async def kill_mid_request(engine: StageEngine) -> DiffusionOutput:
+    """SIGKILL the stage while a long request runs there: its stream ends with an
+    EngineDeadError output within a second (the issue's bound); that output."""
+    stream = engine.stream("p", params(num_inference_steps=500), request_id="long")
+    await until(lambda: engine.status("long") is RequestStatus.RUNNING, "running")
+    os.kill(engine.pid, signal.SIGKILL)
+    with trio.fail_after(1.0):
+        async with stream:
+            last = [o async for o in stream][-1]
+    assert last.error_type == "EngineDeadError"
+    return last
+
+
 async def test_a_killed_stage_is_engine_dead_here_at_once_and_leaves_nothing(
     cache_dir: Path,
 ) -> None:
@@ -172,13 +187,7 @@ async def test_a_killed_stage_is_engine_dead_here_at_once_and_leaves_nothing(
             assert (await engine.generate("p", params())).ok
             workers = [w.pid for w in engine.health().workers]
             assert workers and all(pid != engine.pid for pid in workers)
-            stream = engine.stream("p", params(num_inference_steps=500), request_id="long")
-            await until(lambda: engine.status("long") is RequestStatus.RUNNING, "running")
-            os.kill(engine.pid, signal.SIGKILL)
-            with trio.fail_after(1.0):  # the issue's bound: within a second
-                async with stream:
-                    last = [o async for o in stream][-1]
-            assert last.error_type == "EngineDeadError"
+            last = await kill_mid_request(engine)
             with pytest.raises(EngineDeadError):
                 last.raise_for_status()
             assert engine.is_dead and engine.health().state is EngineState.DEAD
@@ -271,12 +280,18 @@ async def test_sleep_wake_and_control_calls_run_in_the_stage(cache_dir: Path) ->
             assert engine.is_idle()
 
 
+# How a stage process starts: a new interpreter, or forked from the fork server (see the
+# end of this module).
+START_METHODS = pytest.mark.parametrize("start_method", ["trio", "forkserver"])
+
+
+@START_METHODS
 async def test_a_stage_that_does_not_close_is_terminated_then_killed(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, start_method: str
 ) -> None:
     monkeypatch.setattr(stage_module, "CLOSE_MARGIN_S", 0.2)
     monkeypatch.setattr(stage_module, "TERM_GRACE_S", 0.2)
-    cfg = config(cache_dir, close_timeout_s=0.2)
+    cfg = config(cache_dir, close_timeout_s=0.2, worker_start_method=start_method)
     with trio.fail_after(CAP_S):
         async with open_engine(cfg, stage="process") as engine:
             # Stopped, the stage neither reads the close nor acts on SIGTERM: only the
@@ -289,10 +304,14 @@ async def test_a_stage_that_does_not_close_is_terminated_then_killed(
     assert took < stage_module.engine_close_bound_s(cfg, "process")
 
 
-async def test_an_engine_that_cannot_open_raises_its_own_error_here(cache_dir: Path) -> None:
+@START_METHODS
+async def test_an_engine_that_cannot_open_raises_its_own_error_here(
+    cache_dir: Path, start_method: str
+) -> None:
+    bad = config(cache_dir, model_options={"nope": 1}, worker_start_method=start_method)
     with trio.fail_after(CAP_S):
         with pytest.raises(InvalidConfigError, match="nope"):
-            async with open_engine(config(cache_dir, model_options={"nope": 1}), stage="process"):
+            async with open_engine(bad, stage="process"):
                 pass  # pragma: no cover
         with pytest.raises(InvalidConfigError, match="stage"):
             async with open_engine(config(cache_dir), stage="thread"):
@@ -346,3 +365,113 @@ def test_a_caller_that_dies_takes_its_stage_with_it(cache_dir: Path, tmp_path: P
             caller.wait()
         if caller.stdout is not None:
             caller.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Stage processes forked from the fork server (worker_start_method "auto"/"forkserver", an
+# inproc engine): what ``omni-trio serve --replicas K --stage process`` runs by default.
+# ---------------------------------------------------------------------------------------
+
+
+def forked(cache_dir: Path, **overrides: Any) -> EngineConfig:
+    return config(cache_dir, worker_start_method="forkserver", device="cpu", **overrides)
+
+
+def comm_of(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as file:
+        return file.read().strip()
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as file:
+        stat = file.read()
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+async def test_a_forked_stage_serves_and_dies_as_a_new_interpreter_would(
+    cache_dir: Path,
+) -> None:
+    """Forked by the fork server (its parent), named, in a process group of its own; it
+    serves streams with previews; SIGKILLed mid-request, the caller sees EngineDeadError
+    within a second and nothing of it is left.  A second stage forks from the same warm
+    server."""
+    from omni_trio.executors import tractor_executor
+
+    cfg = forked(cache_dir, streaming_output=True, model_options={"step_delay_s": 0.05})
+    assert tractor_executor.stage_forks(cfg)
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as first:
+            server = tractor_executor._forkserver_pid()
+            assert server is not None and parent_of(first.pid) == server
+            assert comm_of(first.pid) == PROCESS_NAME
+            assert os.getpgid(first.pid) == first.pid  # its own group: the close kills it
+            async with first.stream("p", params(num_inference_steps=4, seed=7)) as stream:
+                chunks = [o async for o in stream]
+            assert not chunks[0].finished and chunks[-1].ok
+            assert decode_echo_image(chunks[-1].images[0])[1] == 7
+        assert not alive(first.pid)
+        async with open_engine(cfg, stage="process") as engine:
+            assert parent_of(engine.pid) == server
+            await kill_mid_request(engine)
+            assert engine.is_dead and "killed by SIGKILL" in (engine.health().reason or "")
+            with pytest.raises(EngineDeadError):
+                engine.stream("p", params())
+        await until(lambda: group_members(engine.pid) == [], "the process group gone")
+
+
+_PROBE = """
+import json, os
+from omni_trio.models.echo import EchoModel
+
+def factory(*, device, dtype, options):
+    with open(options["report"], "w") as file:
+        json.dump({"env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}, file)
+    return EchoModel(device=device, name="stage-probe")
+"""
+
+
+async def test_a_forked_stage_has_the_callers_environment_of_now_without_secrets(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork server's environment is the one of when it started; a stage forked later
+    gets the caller's of when it is opened (as a new interpreter would), secrets left out,
+    its working directory, and a module found only through the ``PYTHONPATH`` set since."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "omni_trio_stage_probe.py").write_text(_PROBE)
+    report = tmp_path / "report.json"
+    with trio.fail_after(CAP_S):
+        async with open_engine(forked(cache_dir), stage="process"):
+            pass  # the fork server runs from here on, with the environment of before
+        path = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(modules), *filter(None, [path])]))
+        monkeypatch.setenv("OMNI_TRIO_STAGE_PROBE", "set since")
+        monkeypatch.setenv("OMNI_TRIO_API_KEY", "sk-not-for-stages")
+        workdir = tmp_path / "work"
+        workdir.mkdir()
+        monkeypatch.chdir(workdir)
+        cfg = forked(
+            cache_dir,
+            model="omni_trio_stage_probe:factory",
+            model_options={"report": str(report)},
+        )
+        async with open_engine(cfg, stage="process") as engine:
+            assert (await engine.generate("p", params())).ok
+    seen = json.loads(report.read_text())
+    assert seen["pid"] == engine.pid
+    assert seen["env"]["OMNI_TRIO_STAGE_PROBE"] == "set since"
+    assert "OMNI_TRIO_API_KEY" not in seen["env"]
+    assert seen["cwd"] == str(workdir)
+
+
+async def test_a_fork_server_that_fails_leaves_the_stage_to_a_new_interpreter(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("the fork server is gone")
+
+    monkeypatch.setattr(stage_module, "start_forked", broken)
+    with trio.fail_after(CAP_S):
+        async with open_engine(forked(cache_dir), stage="process") as engine:
+            assert parent_of(engine.pid) == os.getpid()
+            assert (await engine.generate("p", params())).ok

@@ -37,6 +37,7 @@ from omni_trio.config import EngineConfig
 from omni_trio.executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
 from omni_trio.executors.inproc import InprocExecutor
 from omni_trio.runtime.stage import CLOSE_MARGIN_S, KILL_GRACE_S, TERM_GRACE_S
+from omni_trio.runtime.stage_child import PROCESS_NAME as STAGE_PROCESS_NAME
 from omni_trio.serve.app import ImagesApp
 from omni_trio.serve.config import ServeConfig
 from omni_trio.serve.daemon import (
@@ -506,15 +507,81 @@ def test_inline_tractor_replicas_exit_2(start_daemon: Callable[..., Daemon]) -> 
 
 
 def _stage_pids(daemon: Daemon) -> list[int]:
+    """The daemon's stage processes, by name (a forked one's command line is its fork
+    server's)."""
     pids = []
     for pid in descendant_pids(daemon.proc.pid):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"omni_trio.runtime.stage_child" in cmdline:
+        if name == STAGE_PROCESS_NAME:
             pids.append(pid)
     return pids
+
+
+def _kill_one_stage(daemon: Daemon, stages: list[int]) -> list[int]:
+    """Both stages answer; the first SIGKILLed, the live one answers at once while the pool
+    reopens the dead one.  The stage processes after."""
+    with daemon.client() as client:
+        responses = [generate(client, 2, seed=i) for i in range(4)]
+        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+        os.kill(stages[0], signal.SIGKILL)
+        responses = [generate(client, 2, seed=i) for i in range(4)]
+        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
+    daemon.wait_ready()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len(set(_stage_pids(daemon)) - {stages[0]}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polled, bounded: the reopened stage has no event here
+    now = _stage_pids(daemon)
+    assert stages[1] in now and stages[0] not in now and len(now) == 2, (stages, now)
+    return now
+
+
+def _stop_leaving_nothing(daemon: Daemon) -> None:
+    """SIGTERM drains, exits 0 and leaves no process of the daemon's behind."""
+    everything = descendant_pids(daemon.proc.pid)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == EXIT_OK, daemon.stderr
+    deadline = time.monotonic() + 10.0
+    while [pid for pid in everything if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in everything if _alive(pid)]
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+@pytest.mark.slow
+def test_process_stages_fork_from_one_server_and_a_dead_one_stops_only_itself(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """``--replicas 2 --stage process`` (inproc engines): each stage process is forked from
+    the one fork server the daemon starts (it imports torch and diffusers once, for both);
+    one SIGKILLed, the other answers while it is forked again; SIGTERM leaves nothing."""
+    from omni_trio.executors.tractor_executor import cuda_possible
+
+    if cuda_possible():  # pragma: no cover - CI has no GPU
+        pytest.skip('"auto" starts stages as new interpreters where CUDA may be used')
+    daemon = start_daemon(
+        "--replicas", "2", "--stage", "process", "--threads", "1", "--log-level", "debug"
+    )
+    daemon.wait_listening()
+    daemon.wait_ready()
+    # Started before the listener is bound: its preload overlaps the rest of the start.
+    early = daemon.stderr.find("fork server started early")
+    assert -1 < early < daemon.stderr.find("listening on"), daemon.stderr
+    stages = _stage_pids(daemon)
+    assert len(stages) == 2, stages
+    servers = {_parent(pid) for pid in stages}
+    assert len(servers) == 1 and servers != {daemon.proc.pid}, servers
+    [server] = servers
+    assert b"forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+    now = _kill_one_stage(daemon, stages)
+    assert {_parent(pid) for pid in now} == {server}
+    _stop_leaving_nothing(daemon)
 
 
 @pytest.mark.slow
@@ -529,26 +596,8 @@ def test_tractor_replicas_run_as_stage_processes_and_a_dead_one_stops_only_itsel
     daemon.wait_ready()
     stages = _stage_pids(daemon)
     assert len(stages) == 2, stages
-    with daemon.client() as client:
-        responses = [generate(client, 2, seed=i) for i in range(4)]
-        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
-        os.kill(stages[0], signal.SIGKILL)
-        # The live replica answers at once, while the dead one is reopened.
-        responses = [generate(client, 2, seed=i) for i in range(4)]
-        assert [r.status_code for r in responses] == [200] * 4, responses[-1].text
-    daemon.wait_ready()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while len(set(_stage_pids(daemon)) - {stages[0]}) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # polled, bounded: the reopened stage has no event here
-    now = _stage_pids(daemon)
-    assert stages[1] in now and stages[0] not in now and len(now) == 2, (stages, now)
-    everything = descendant_pids(daemon.proc.pid)
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit() == EXIT_OK, daemon.stderr
-    deadline = time.monotonic() + 10.0
-    while [pid for pid in everything if _alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in everything if _alive(pid)]
+    _kill_one_stage(daemon, stages)
+    _stop_leaving_nothing(daemon)
 
 
 @pytest.mark.slow
