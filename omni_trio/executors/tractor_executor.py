@@ -50,6 +50,7 @@ from ..ipc import SegmentRegistry, owner_tag, sweep_orphans
 from ..ipc.handshake import guard_tractor_handshake
 from ._main_guard import check_main_guard, main_rerun_failure
 from ._process import ForkedProcess, call_import_path
+from ._process import runs as _runs
 from ._process import wait_exited as _wait_exited
 from .group import (
     KILL_WAIT_S,
@@ -61,6 +62,7 @@ from .group import (
     RankStatus,
     Transport,
     exit_status,
+    is_secret_env_name,
     secrets_hidden,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "TractorTransport",
     "cuda_possible",
     "resolve_start_method",
+    "forked_environment",
     "stage_forks",
     "start_fork_server_early",
     "start_forked",
@@ -227,21 +230,36 @@ def stage_forks(config: EngineConfig) -> bool:
     return True
 
 
+# Held while the fork server is started (the environment is changed for that moment) and
+# while a forked process's environment is taken: both may run in threads at once.
+_FORK_SERVER_LOCK = threading.Lock()
+
+
 def _use_fork_server() -> None:
-    """Select tractor's fork server (it replaces the stdlib's) and start it, with
-    :data:`FORKSERVER_PRELOAD` and the environment the engine would give it (secrets hidden,
-    tractor's warning filters and breakpoint hook), if none runs yet.  Returns at once: the
-    preload runs on in the server."""
-    _silence_tractor_warnings()  # the server's environment is every worker's: first
-    from tractor import _spawn
+    """Install tractor's fork server (it replaces the stdlib's; tractor's own start method
+    is left as it is) and start it if none runs, with :data:`FORKSERVER_PRELOAD` and the
+    environment the engine would give it (secrets hidden, tractor's warning filters and
+    breakpoint hook).  Returns at once: the preload runs on in the server."""
+    with _FORK_SERVER_LOCK:
+        _silence_tractor_warnings()  # the server's environment is every worker's: first
+        from multiprocessing import forkserver
 
-    _spawn.try_set_start_method("forkserver")
-    from multiprocessing import forkserver
+        from tractor import _forkserver_override
 
-    if _forkserver_pid() is None:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    with secrets_hidden(), _tractor_breakpoint_hook():
-        forkserver.ensure_running()
+        _forkserver_override.override_stdlib()
+        if _forkserver_pid() is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        with secrets_hidden(), _tractor_breakpoint_hook():
+            forkserver.ensure_running()  # (re)starts it if there is none or it died
+
+
+def forked_environment() -> dict[str, str]:
+    """This process's environment as a process forked now should get it (the fork server's
+    is that of when it started): secrets left out, as for workers, and never caught while
+    the fork server is being started (the environment is changed for that moment)."""
+    with _FORK_SERVER_LOCK:
+        return {k: v for k, v in os.environ.items() if not is_secret_env_name(k)}
 
 
 def start_fork_server_early(config: EngineConfig, stage: str = "inline") -> bool:
@@ -287,16 +305,23 @@ def start_fork_server_early(config: EngineConfig, stage: str = "inline") -> bool
 
 def start_forked(target: str, args: tuple[Any, ...], *, name: str) -> ForkedProcess:
     """Fork a process running ``target(*args)`` (``target``: the import path of a function,
-    ``"package.module:function"``) from the fork server (started first if none
-    runs: :func:`start_fork_server_early`'s environment) and return it once it is forked;
-    ``args`` may hold sockets (passed over).  Blocking, for as long as the server's preload
-    may still take (seconds): call it in a thread.  Raises ``OSError``/``EOFError`` if the
-    fork server cannot start or fork."""
+    ``"package.module:function"``; ``args`` picklable, no file descriptors: tractor's fork
+    server loses them) from the fork server (started first if none runs, as
+    :func:`start_fork_server_early` starts it) and return it once it is forked.  It starts
+    with multiprocessing's preparation (this process's ``sys.path``, ``sys.argv``, working
+    directory and main module; stdin ``/dev/null``), the fork server's environment and
+    stdout/stderr.  It is not multiprocessing's to join at exit: the caller owns it.
+    Blocking, for as long as the server's preload may still take (seconds): call it in a
+    thread.  Raises ``OSError``/``EOFError`` if the fork server cannot start or fork."""
     _use_fork_server()
     _ensure_forkserver(list(FORKSERVER_PRELOAD))  # (waits for the preload)
     context = multiprocessing.get_context("forkserver")
     process = context.Process(target=call_import_path, args=(target, *args), name=name)
     process.start()
+    # Not joined at this interpreter's exit (it would wait for a stage that waits for this
+    # process's end of its socket to close), nor polled by Process.start()'s cleanup: its
+    # exit status is read by ForkedProcess alone.
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
     return ForkedProcess(process)
 
 
@@ -313,21 +338,6 @@ def _tractor_breakpoint_hook() -> Iterator[None]:
             os.environ.pop("PYTHONBREAKPOINT", None)
         else:
             os.environ["PYTHONBREAKPOINT"] = before
-
-
-def _runs(pid: int) -> bool:
-    """Process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True
-        return True
 
 
 # How long _wait_released waits for the process to go idle once tractor let go of a channel.

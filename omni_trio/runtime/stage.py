@@ -52,6 +52,7 @@ import random
 import secrets
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import weakref
@@ -77,8 +78,8 @@ from ..errors import (
     PayloadError,
 )
 from ..executors._process import ForkedProcess
-from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S, is_secret_env_name
-from ..executors.tractor_executor import stage_forks, start_forked
+from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
+from ..executors.tractor_executor import forked_environment, stage_forks, start_forked
 from .pictures import canonical_pictures
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, decode_error, frame
@@ -110,6 +111,8 @@ TERM_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
 # After the stage process exited: how long what it sent before may still be read.
 DRAIN_S = 1.0
+# After its connection closed: how long its exit status is waited for (the reason says it).
+EXIT_STATUS_WAIT_S = 0.25
 
 _S = RequestStatus
 
@@ -224,7 +227,12 @@ class StageEngine:
             self._die(f"the stage connection broke: {type(exc).__name__}: {exc}", kill=True)
         finally:
             self._read_done.set()
-        if not self._closed_ack.is_set():
+        if not self._closed_ack.is_set() and self._dead is None and not self._closing:
+            # A process that died closes its socket a moment before its exit status is
+            # known (a forked one's comes from the fork server): wait that moment, so
+            # that the reason says how it ended.
+            with trio.move_on_after(EXIT_STATUS_WAIT_S):
+                await self._process.wait()
             self._die(self._exit_text("closed its connection"), kill=True)
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
@@ -736,8 +744,9 @@ async def _start_stage_process(config: EngineConfig) -> tuple[_StageProcess, _So
     """The stage process and this side of its connection: forked from the fork server where
     :func:`~omni_trio.executors.tractor_executor.stage_forks` says so (the fork server's
     preload is done once for every stage; waited for, uncancellably, the first time), else
-    -- or if the fork server fails -- a new interpreter in a new session, handed one end of
-    a socketpair."""
+    -- or if the fork server cannot start or fork -- a new interpreter in a new session,
+    handed one end of a socketpair.  Either gets this process's environment without its
+    secrets."""
     if stage_forks(config):
         try:
             return await _fork_stage()
@@ -749,6 +758,7 @@ async def _start_stage_process(config: EngineConfig) -> tuple[_StageProcess, _So
             [sys.executable, "-m", "omni_trio.runtime.stage_child", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
+            env=forked_environment(),
         )
     except BaseException:
         ours.close()
@@ -760,39 +770,58 @@ async def _start_stage_process(config: EngineConfig) -> tuple[_StageProcess, _So
 
 async def _fork_stage() -> tuple[ForkedProcess, _Socket]:
     """Fork a stage process, which connects back to a Unix socket in a directory only this
-    user can enter (a fork server cannot hand it one end of a socketpair: tractor's loses
-    the descriptors it is sent).  It gets this process's environment, secrets left out,
-    and working directory.  Raises :class:`EngineDeadError` if it ends before it
-    connected; cancelled meanwhile, it is killed."""
-    environ = {k: v for k, v in os.environ.items() if not is_secret_env_name(k)}
+    user can enter (tractor's fork server loses the descriptors it is sent, so it cannot be
+    handed a socketpair); a connection from any other process is refused.  Raises
+    :class:`EngineDeadError` if it ends before it connected; cancelled meanwhile (or on any
+    other error), it is killed."""
+    environ = forked_environment()
     with tempfile.TemporaryDirectory(prefix="omni-trio-stage-") as directory:
         path = os.path.join(directory, "stage.sock")
         with trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             await listener.bind(path)
-            listener.listen(1)
+            listener.listen(4)
             start = functools.partial(
-                start_forked, SERVE_FORKED, (path, environ, os.getcwd()), name="omni-trio-stage"
+                start_forked, SERVE_FORKED, (path, environ), name="omni-trio-stage"
             )
             process = await trio.to_thread.run_sync(start)
-            connection: _Socket | None = None
+            connected: list[_Socket] = []
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_exit, process, nursery.cancel_scope)
-                    connection, _ = await listener.accept()
+                    connected.append(await _accept_from(listener, process.pid))
                     nursery.cancel_scope.cancel()
+            except BaseException:
+                for connection in connected:
+                    connection.close()
+                connected.clear()
+                raise
             finally:
-                if connection is None:
+                if not connected:
                     with trio.CancelScope(shield=True):
                         _kill_group(process.pid)
                         process.kill()
                         await process.wait()
-    if connection is None:
+    if not connected:
         code = process.returncode
         raise EngineDeadError(
             f"the stage process {process.pid} ended while starting"
             + ("" if code is None else f" (exit code {code})")
         )
-    return process, connection
+    return process, connected[0]
+
+
+async def _accept_from(listener: _Socket, pid: int) -> _Socket:
+    """The first connection to ``listener`` from process ``pid`` (others are closed)."""
+    while True:
+        connection, _ = await listener.accept()
+        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+        if _CRED.unpack(credentials)[0] == pid:
+            return connection
+        connection.close()
+
+
+# struct ucred: pid, uid, gid.
+_CRED = struct.Struct("3i")
 
 
 async def _cancel_on_exit(process: _StageProcess, scope: trio.CancelScope) -> None:

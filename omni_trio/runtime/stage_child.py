@@ -330,22 +330,18 @@ def main(argv: list[str] | None = None) -> None:
     _serve(socket.socket(fileno=int(args[0])))
 
 
-def serve_forked(path: str, environ: dict[str, str], cwd: str) -> None:
+def serve_forked(path: str, environ: dict[str, str]) -> None:
     """The entry of a stage process forked from the fork server (the caller's
-    :func:`~omni_trio.executors.tractor_executor.start_forked`): first it becomes what a
-    new interpreter started by the caller would be -- its own session and process group
-    (the caller kills the group), the caller's environment (``environ``: secrets left out)
-    and working directory as they were when the stage was opened rather than the fork
-    server's from when it started, and the caller's ``PYTHONPATH`` entries on ``sys.path``
-    -- then it connects to the caller's Unix socket at ``path`` and serves there as
-    :func:`main` does."""
+    :func:`~omni_trio.executors.tractor_executor.start_forked`, which already gave it the
+    caller's working directory and ``sys.path``): first it takes what a new interpreter
+    started by the caller would have -- its own session and process group (the caller
+    kills the group), the caller's environment of the moment the stage was opened
+    (``environ``, secrets left out; the fork server's is that of when it started) and the
+    ``PYTHONPATH`` entries in it on ``sys.path`` -- then it connects to the caller's Unix
+    socket at ``path`` and serves there as :func:`main` does."""
     os.setsid()
     os.environ.clear()
     os.environ.update(environ)
-    try:
-        os.chdir(cwd)
-    except OSError:  # gone since: stay where the fork server is, as a new process could not
-        pass
     entries = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for entry in reversed(entries):
         if entry not in sys.path:

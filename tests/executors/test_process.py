@@ -25,7 +25,9 @@ async def fork(target: str, *args: object) -> ForkedProcess:
     )
 
 
-async def test_a_killed_process_reports_the_signal_to_every_waiter() -> None:
+async def test_a_killed_process_reports_the_signal_to_every_waiter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with trio.fail_after(CAP_S):
         process = await fork("time:sleep", 60.0)
         assert process.returncode is None
@@ -37,8 +39,11 @@ async def test_a_killed_process_reports_the_signal_to_every_waiter() -> None:
             process.kill()
         assert codes == [-signal.SIGKILL] * 3
         assert process.returncode == -signal.SIGKILL
-        process.kill()  # reaped: nothing is signalled (the pid may be another's now)
+        signalled: list[tuple[int, int]] = []
+        monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+        process.kill()  # ended: nothing is signalled (the pid may be another's now)
         process.terminate()
+        assert signalled == []
         assert await process.wait() == -signal.SIGKILL
 
 
@@ -66,6 +71,23 @@ async def test_wait_exited_returns_once_a_process_it_does_not_own_ended() -> Non
         assert time.monotonic() - began < CAP_S
         await process.wait()
         await wait_exited(process.pid)  # gone: at once
+
+
+async def test_forking_leaves_tractors_start_method_and_exit_alone() -> None:
+    """A fork is not tractor's spawn: its start method stays what the application's runtime
+    chose; and the process is not multiprocessing's to join when this interpreter exits
+    (its owner ends it)."""
+    import multiprocessing
+
+    from tractor import _spawn
+
+    before = _spawn._spawn_method
+    with trio.fail_after(CAP_S):
+        process = await fork("time:sleep", 60.0)
+        assert _spawn._spawn_method == before
+        assert process.pid not in {child.pid for child in multiprocessing.active_children()}
+        process.kill()
+        assert await process.wait() == -signal.SIGKILL
 
 
 def test_call_import_path_calls_the_named_function() -> None:

@@ -326,34 +326,50 @@ def test_the_sync_engine_runs_a_stage_too(cache_dir: Path) -> None:
         engine.generate("p", params())
 
 
-_ORPHAN_SCRIPT = """
+_CALLER_SCRIPT = """
 import sys, trio
-from omni_trio import EngineConfig, open_engine
+from omni_trio import Engine, EngineConfig, open_engine
+
+config = EngineConfig(model="builtin:echo", cache_dir=sys.argv[1], torch_threads=1,
+                      warmup=False, worker_start_method=sys.argv[2])
 
 async def main():
-    config = EngineConfig(model="builtin:echo", cache_dir=sys.argv[1], torch_threads=1,
-                          warmup=False)
     async with open_engine(config, stage="process") as engine:
         print(engine.pid, flush=True)
         await trio.sleep_forever()
 
 if __name__ == "__main__":
-    trio.run(main)
+    if sys.argv[3] == "dies":
+        trio.run(main)
+    else:  # "exits": a sync engine it never closes, then the interpreter's own exit
+        engine = Engine(config, stage="process")
+        print(engine.health().workers[0].pid, flush=True)  # inproc: the stage's own
+        assert engine.generate("p").ok
 """
 
 
-def test_a_caller_that_dies_takes_its_stage_with_it(cache_dir: Path, tmp_path: Path) -> None:
+@START_METHODS
+@pytest.mark.parametrize("how", ["dies", "exits"])
+def test_a_caller_that_dies_or_exits_takes_its_stage_with_it(
+    cache_dir: Path, tmp_path: Path, start_method: str, how: str
+) -> None:
+    """SIGKILLed, or exiting with its stage still open: the caller's end of the stage's
+    socket closes and the stage closes its engine and ends (the caller's exit never waits
+    for a stage it did not close)."""
     script = tmp_path / "caller.py"
-    script.write_text(_ORPHAN_SCRIPT)
+    script.write_text(_CALLER_SCRIPT)
     caller = subprocess.Popen(
-        [sys.executable, str(script), str(cache_dir)], cwd=ROOT, stdout=subprocess.PIPE
+        [sys.executable, str(script), str(cache_dir), start_method, how],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
     )
     try:
         assert caller.stdout is not None
         stage_pid = int(caller.stdout.readline())
-        assert alive(stage_pid)
-        caller.kill()
-        caller.wait(timeout=30)
+        if how == "dies":
+            assert alive(stage_pid)
+            caller.kill()
+        assert caller.wait(timeout=30) == (-signal.SIGKILL if how == "dies" else 0)
         # Polled, bounded: the stage notices its socket closed and closes its engine.
         deadline = time.monotonic() + 30.0
         while alive(stage_pid) and time.monotonic() < deadline:
@@ -475,3 +491,105 @@ async def test_a_fork_server_that_fails_leaves_the_stage_to_a_new_interpreter(
         async with open_engine(forked(cache_dir), stage="process") as engine:
             assert parent_of(engine.pid) == os.getpid()
             assert (await engine.generate("p", params())).ok
+
+
+def children_of(pid: int) -> set[int]:
+    """The live (not zombie) children of process ``pid``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and alive(int(entry)):
+            try:
+                if parent_of(int(entry)) == pid:
+                    found.add(int(entry))
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+async def test_an_open_cancelled_at_any_point_leaves_no_forked_stage(cache_dir: Path) -> None:
+    cfg = forked(cache_dir)
+    with trio.fail_after(CAP_S):
+        async with open_engine(cfg, stage="process") as warm:
+            server = parent_of(warm.pid)
+        await until(lambda: not alive(warm.pid), "the warm stage ended")
+        before = children_of(server)
+        for delay in (0.0, 0.002, 0.01, 0.03, 0.1, 0.3):
+            with trio.move_on_after(delay):
+                async with open_engine(cfg, stage="process"):
+                    await trio.sleep_forever()
+            await until(lambda: children_of(server) == before, "no stage left")
+
+
+def _exit_at_once(*args: object) -> None:
+    """A forked stage's entry that ends before it connects (a fake, for the test below)."""
+    os._exit(3)
+
+
+async def test_a_forked_stage_that_ends_before_it_connects_is_engine_dead(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stage_module, "SERVE_FORKED", f"{__name__}:_exit_at_once")
+    with trio.fail_after(CAP_S):
+        with pytest.raises(EngineDeadError, match=r"ended while starting \(exit code 3\)"):
+            async with open_engine(forked(cache_dir), stage="process"):
+                pass  # pragma: no cover
+
+
+_SERVER_DIES_SCRIPT = """
+import os, signal, sys, time, trio
+from omni_trio import EngineConfig, SamplingParams, open_engine
+
+def fields(pid):
+    with open(f"/proc/{pid}/stat", "rb") as file:
+        stat = file.read()
+    return stat[stat.rindex(b")") + 2 :].split()
+
+def parent_of(pid):
+    return int(fields(pid)[1])
+
+def alive(pid):  # a zombie is not (the fork server is this process's child)
+    try:
+        return fields(pid)[0] != b"Z"
+    except OSError:
+        return False
+
+async def main():
+    config = EngineConfig(model="builtin:echo", cache_dir=sys.argv[1], torch_threads=1,
+                          warmup=False, worker_start_method="forkserver", device="cpu")
+    params = SamplingParams(height=32, width=32, num_inference_steps=2)
+    async with open_engine(config, stage="process") as engine:
+        server = parent_of(engine.pid)
+        os.kill(server, signal.SIGKILL)
+        while alive(server):
+            await trio.sleep(0.01)
+        await trio.sleep(0.2)  # what the stage's watcher would see by now
+        assert engine.health().healthy, engine.health()
+        assert (await engine.generate("p", params)).ok
+        async with open_engine(config, stage="process") as again:  # from a new server
+            assert parent_of(again.pid) != server
+            assert (await again.generate("p", params)).ok
+        os.kill(engine.pid, signal.SIGKILL)  # orphaned: watched by its pid
+        with trio.fail_after(5):
+            await engine.wait_ended()
+        assert "exit code 255" in (engine.health().reason or ""), engine.health()
+    print("ok", flush=True)
+
+if __name__ == "__main__":
+    trio.run(main)
+"""
+
+
+def test_a_fork_server_that_dies_leaves_its_stages_serving(cache_dir: Path, tmp_path: Path) -> None:
+    """The fork server killed under an open stage: the stage goes on serving (its status
+    is then unknown, 255, and it is watched by its pid), and the next stage is forked from
+    a new server.  (In a process of its own: the tests' fork server stays.)"""
+    script = tmp_path / "server_dies.py"
+    script.write_text(_SERVER_DIES_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(cache_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
