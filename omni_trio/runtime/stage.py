@@ -811,10 +811,14 @@ async def _fork_stage() -> tuple[ForkedProcess, _Socket]:
 
 
 async def _accept_from(listener: _Socket, pid: int) -> _Socket:
-    """The first connection to ``listener`` from process ``pid`` (others are closed)."""
+    """The first connection to ``listener`` from process ``pid`` (others are closed; where
+    the platform cannot say who connected, the first: the directory is the user's own)."""
+    option = getattr(socket, "SO_PEERCRED", None)
     while True:
         connection, _ = await listener.accept()
-        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+        if option is None:  # pragma: no cover - not Linux
+            return connection
+        credentials = connection.getsockopt(socket.SOL_SOCKET, option, _CRED.size)
         if _CRED.unpack(credentials)[0] == pid:
             return connection
         connection.close()

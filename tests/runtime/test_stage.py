@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -593,3 +594,27 @@ def test_a_fork_server_that_dies_leaves_its_stages_serving(cache_dir: Path, tmp_
         timeout=120,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+async def test_only_the_forked_stage_itself_may_connect_back(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection to the stage's socket from another process (here: this one, first) is
+    closed; the stage's own is the one served."""
+    real = stage_module.start_forked
+    strangers: list[socket.socket] = []
+
+    def stranger_first(target: str, args: tuple[Any, ...], *, name: str) -> Any:
+        stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stranger.connect(args[0])  # the socket's path
+        strangers.append(stranger)
+        return real(target, args, name=name)
+
+    monkeypatch.setattr(stage_module, "start_forked", stranger_first)
+    with trio.fail_after(CAP_S):
+        async with open_engine(forked(cache_dir), stage="process") as engine:
+            assert (await engine.generate("p", params(seed=4))).ok
+    [stranger] = strangers
+    stranger.settimeout(10.0)
+    assert stranger.recv(1) == b""  # closed by the caller, never spoken to
+    stranger.close()
