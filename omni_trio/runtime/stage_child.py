@@ -2,7 +2,8 @@
 
 Run as ``python -m omni_trio.runtime.stage_child FD`` by :func:`.stage.open_stage_engine`,
 ``FD`` being this process's end of a socketpair (see :mod:`.stage_wire` for the messages), or
-forked from the fork server into :func:`serve_forked` with that socket.
+forked from the fork server into :func:`serve_forked`, which connects back to the caller's
+Unix socket instead.
 :func:`serve_stage` opens the engine the first message configures, says ``ready`` (or
 ``failed``, with the error, and returns), then carries out the caller's messages until
 ``close`` or the end of the connection -- the caller closed or died: the engine is closed
