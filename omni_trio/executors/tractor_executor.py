@@ -76,6 +76,7 @@ __all__ = [
     "stage_forks",
     "start_fork_server_early",
     "start_forked",
+    "warm_fork_server",
 ]
 
 log = logging.getLogger(__name__)
@@ -303,6 +304,14 @@ def start_fork_server_early(config: EngineConfig, stage: str = "inline") -> bool
     return True
 
 
+def warm_fork_server() -> None:
+    """Start the fork server if none runs (as :func:`start_fork_server_early` starts it) and
+    return once its preload is done: at once when it is.  Blocking, for seconds the first
+    time: call it in a thread.  Raises ``OSError``/``EOFError`` if it cannot start."""
+    _use_fork_server()
+    _ensure_forkserver(list(FORKSERVER_PRELOAD))
+
+
 def start_forked(target: str, args: tuple[Any, ...], *, name: str) -> ForkedProcess:
     """Fork a process running ``target(*args)`` (``target``: the import path of a function,
     ``"package.module:function"``; ``args`` picklable, no file descriptors: tractor's fork
@@ -313,8 +322,7 @@ def start_forked(target: str, args: tuple[Any, ...], *, name: str) -> ForkedProc
     stdout/stderr.  It is not multiprocessing's to join at exit: the caller owns it.
     Blocking, for as long as the server's preload may still take (seconds): call it in a
     thread.  Raises ``OSError``/``EOFError`` if the fork server cannot start or fork."""
-    _use_fork_server()
-    _ensure_forkserver(list(FORKSERVER_PRELOAD))  # (waits for the preload)
+    warm_fork_server()
     context = multiprocessing.get_context("forkserver")
     process = context.Process(target=call_import_path, args=(target, *args), name=name)
     process.start()

@@ -79,7 +79,12 @@ from ..errors import (
 )
 from ..executors._process import ForkedProcess
 from ..executors.group import KILL_WAIT_S, TERMINATE_WAIT_S
-from ..executors.tractor_executor import forked_environment, stage_forks, start_forked
+from ..executors.tractor_executor import (
+    forked_environment,
+    stage_forks,
+    start_forked,
+    warm_fork_server,
+)
 from .pictures import canonical_pictures
 from .request_stream import RequestStream
 from .stage_wire import FrameReader, WireError, decode_error, frame
@@ -774,6 +779,9 @@ async def _fork_stage() -> tuple[ForkedProcess, _Socket]:
     handed a socketpair); a connection from any other process is refused.  Raises
     :class:`EngineDeadError` if it ends before it connected; cancelled meanwhile (or on any
     other error), it is killed."""
+    # The preload first (seconds, uncancellable, the first time), then the socket's
+    # directory: a caller killed meanwhile leaves none behind.
+    await trio.to_thread.run_sync(warm_fork_server)
     environ = forked_environment()
     with tempfile.TemporaryDirectory(prefix="omni-trio-stage-") as directory:
         path = os.path.join(directory, "stage.sock")
